@@ -1,0 +1,125 @@
+"""The `disagg` command: serve · worker · demo · check-config.
+
+Parses arguments and starts things; the behaviour lives in the modules it calls.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+from disagg import __version__
+
+
+def _worker(args: argparse.Namespace) -> int:
+    from disagg.engine.checkpoint import model_from_name
+    from disagg.engine.server import Worker, WorkerSettings
+    from disagg.http import run, serve
+
+    model, tokenizer = model_from_name(args.model)
+    name = args.served_model_name or ("tiny" if args.model == "tiny" else args.model)
+    advertise = args.advertise_url or f"http://{_url_host(args.host)}:{args.port}"
+    settings = WorkerSettings(role=args.role, model_name=name, advertise_url=advertise,
+                              num_blocks=args.num_blocks, block_size=args.block_size,
+                              kv_lease_s=args.kv_lease)
+    worker = Worker(model, tokenizer, settings)
+    logging.getLogger("disagg").info("%s worker for %s on %s", args.role, name, advertise)
+    run(serve(worker.app(), args.host, args.port))
+    return 0
+
+
+def _url_host(host: str) -> str:
+    if host in ("0.0.0.0", "::", ""):
+        return "127.0.0.1"
+    return f"[{host}]" if ":" in host else host
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from disagg.config import ConfigError, load_config
+    from disagg.http import run, serve
+    from disagg.server import Frontend
+
+    try:
+        config = load_config(args.config)
+    except ConfigError as exc:
+        print(f"disagg: invalid config {args.config}: {exc}", file=sys.stderr)
+        return 2
+    host = args.host or config.hostname
+    port = args.port or config.port
+    frontend = Frontend(config)
+    log = logging.getLogger("disagg")
+    run(serve(frontend.app(), host, port,
+              ready=lambda: log.info("orchestrator listening on http://%s:%d", host, port)))
+    return 0
+
+
+def _check_config(args: argparse.Namespace) -> int:
+    import yaml
+
+    from disagg.config import ConfigError, config_to_dict, load_config
+
+    try:
+        config = load_config(args.config)
+    except ConfigError as exc:
+        print(f"{args.config}: {exc}", file=sys.stderr)
+        return 2
+    print(yaml.safe_dump(config_to_dict(config), sort_keys=False), end="")
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from disagg.demo import run_demo
+
+    return run_demo(once=args.once, prompt=args.prompt, max_tokens=args.max_tokens)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="disagg", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"disagg {__version__}")
+    parser.add_argument("--log-level", default="info",
+                        choices=["debug", "info", "warning", "error"])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    w = sub.add_parser("worker", help="run a reference worker")
+    w.add_argument("--role", choices=["context", "generation", "mixed"], default="mixed")
+    w.add_argument("--host", default="127.0.0.1")
+    w.add_argument("--port", type=int, required=True)
+    w.add_argument("--model", default="tiny", help="'tiny' or a local Hugging Face directory")
+    w.add_argument("--served-model-name", default=None)
+    w.add_argument("--advertise-url", default=None,
+                   help="URL other workers use to fetch KV from this one")
+    w.add_argument("--num-blocks", type=int, default=1024)
+    w.add_argument("--block-size", type=int, default=16)
+    w.add_argument("--kv-lease", type=float, default=30.0,
+                   help="seconds pinned context KV waits for its generation leg")
+    w.set_defaults(func=_worker)
+
+    s = sub.add_parser("serve", help="run the orchestrator")
+    s.add_argument("--config", required=True)
+    s.add_argument("--host", default=None)
+    s.add_argument("--port", type=int, default=None)
+    s.set_defaults(func=_serve)
+
+    d = sub.add_parser("demo", help="orchestrator + one context and one generation worker")
+    d.add_argument("--once", action="store_true", help="send one request, then exit")
+    d.add_argument("--prompt", default="Tell me about disaggregated serving.")
+    d.add_argument("--max-tokens", type=int, default=48)
+    d.set_defaults(func=_demo)
+
+    c = sub.add_parser("check-config", help="validate a cluster file and print it resolved")
+    c.add_argument("config")
+    c.set_defaults(func=_check_config)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,157 @@
+"""Cluster membership as the orchestrator sees it: workers per pool, their readiness, the
+models they serve, and the health monitor that keeps this current.
+
+Membership comes from a `Discovery` (a static list today; etcd later). The monitor only
+observes and marks workers; it never routes and never touches requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import aiohttp
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class WorkerState:
+    url: str
+    role: str  # "context" or "generation"
+    ready: bool = False
+    in_flight: int = 0
+    models: tuple[str, ...] = ()
+    last_error: str | None = None
+    last_seen: float = 0.0
+
+    def describe(self) -> dict[str, Any]:
+        return {"url": self.url, "role": self.role, "ready": self.ready,
+                "in_flight": self.in_flight, "models": list(self.models),
+                "last_error": self.last_error}
+
+
+@dataclass(eq=False)
+class Pool:
+    role: str
+    workers: list[WorkerState] = field(default_factory=list)
+
+    def ready(self, model: str | None = None) -> list[WorkerState]:
+        return [w for w in self.workers
+                if w.ready and (model is None or not w.models or model in w.models)]
+
+
+class Discovery(Protocol):
+    """Where the list of workers comes from."""
+
+    def members(self) -> Sequence[tuple[str, str]]:
+        """(role, url) for every known worker."""
+        ...
+
+
+@dataclass(frozen=True)
+class StaticDiscovery:
+    context_urls: Sequence[str]
+    generation_urls: Sequence[str]
+
+    def members(self) -> Sequence[tuple[str, str]]:
+        return [("context", u) for u in self.context_urls] + [
+            ("generation", u) for u in self.generation_urls]
+
+
+class Cluster:
+    def __init__(self, discovery: Discovery) -> None:
+        self.context = Pool("context")
+        self.generation = Pool("generation")
+        for role, url in discovery.members():
+            self.pool(role).workers.append(WorkerState(url, role))
+
+    def pool(self, role: str) -> Pool:
+        return self.context if role == "context" else self.generation
+
+    def workers(self) -> list[WorkerState]:
+        return [*self.context.workers, *self.generation.workers]
+
+    def is_ready(self) -> bool:
+        return bool(self.context.ready() and self.generation.ready())
+
+    def models(self) -> list[str]:
+        seen: dict[str, None] = {}
+        for w in self.workers():
+            if w.ready:
+                seen.update(dict.fromkeys(w.models))
+        return list(seen)
+
+    def serves(self, model: str) -> bool:
+        return bool(self.context.ready(model) and self.generation.ready(model))
+
+    def describe(self) -> dict[str, Any]:
+        return {"ready": self.is_ready(),
+                "context_servers": [w.describe() for w in self.context.workers],
+                "generation_servers": [w.describe() for w in self.generation.workers]}
+
+
+class HealthMonitor:
+    """Polls each worker's /health (and /v1/models when it turns ready)."""
+
+    def __init__(self, cluster: Cluster, session: aiohttp.ClientSession, interval_s: float,
+                 timeout_s: float = 2.0) -> None:
+        self.cluster, self.session = cluster, session
+        self.interval_s, self.timeout = interval_s, aiohttp.ClientTimeout(total=timeout_s)
+        self._task: asyncio.Task[None] | None = None
+        self._changed = asyncio.Event()
+
+    async def check_all(self) -> None:
+        await asyncio.gather(*(self._check(w) for w in self.cluster.workers()))
+
+    async def _check(self, w: WorkerState) -> None:
+        try:
+            async with self.session.get(w.url + "/health", timeout=self.timeout) as resp:
+                ok = resp.status == 200
+                error = None if ok else f"/health answered {resp.status}"
+            if ok and not w.models:
+                w.models = await self._models(w)
+        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+            ok, error = False, f"{type(exc).__name__}: {exc}".rstrip(": ")
+        if ok != w.ready:
+            log.info("worker %s (%s) is now %s", w.url, w.role, "ready" if ok else "unready")
+            self._changed.set()
+        w.ready, w.last_error = ok, error
+        if ok:
+            w.last_seen = time.time()
+
+    async def _models(self, w: WorkerState) -> tuple[str, ...]:
+        async with self.session.get(w.url + "/v1/models", timeout=self.timeout) as resp:
+            data = await resp.json(content_type=None)
+        return tuple(str(m["id"]) for m in data.get("data", []) if isinstance(m, dict))
+
+    async def wait_ready(self, timeout_s: float) -> bool:
+        """Wait (bounded) until both pools have a ready worker."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            await self.check_all()
+            if self.cluster.is_ready() or time.monotonic() >= deadline:
+                return self.cluster.is_ready()
+            await asyncio.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._loop(), name="health-monitor")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            try:
+                await self.check_all()
+            except Exception:
+                log.exception("health check round failed")

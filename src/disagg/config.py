@@ -1,0 +1,567 @@
+"""The cluster file: TensorRT-LLM's `trtllm-serve disaggregated` YAML plus disagg's own keys.
+
+Reads it once into frozen dataclasses and validates every key, naming its path in errors.
+It must not start, contact or health-check workers; worker launch keys are kept only for display.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+from urllib.parse import urlsplit
+
+import yaml
+
+__all__ = [
+    "ClusterConfig",
+    "ConditionalDisaggConfig",
+    "ConfigError",
+    "PoolConfig",
+    "RouterConfig",
+    "config_to_dict",
+    "load_config",
+    "parse_config",
+    "static_config",
+]
+
+ROUTER_TYPES = ("round_robin", "load_balancing", "kv_cache_aware")
+SCHEDULE_STYLES = ("context_first", "generation_first")
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+
+_SECTIONS = {"context": "context_servers", "generation": "generation_servers"}
+_POOL_KEYS = ("num_instances", "urls", "router")
+# Router arguments TensorRT-LLM's routers read, with the check each must pass.
+_ROUTER_ARGS = {
+    "use_tokens": "bool",
+    "tokens_per_block": "positive int",
+    "max_batch_size": "positive int",
+    "max_num_tokens": "positive int",
+}
+# Server-section keys TensorRT-LLM copies into the router's arguments.
+_ROUTER_INHERITED = ("max_batch_size", "max_num_tokens")
+
+# Disagg-server keys of TensorRT-LLM that disagg reads.
+_TRTLLM_KEYS = frozenset(
+    {
+        "hostname",
+        "port",
+        "max_retries",
+        "perf_metrics_max_requests",
+        "schedule_style",
+        "conditional_disagg_config",
+        "router",
+        "context_servers",
+        "generation_servers",
+    }
+)
+# Disagg-server keys of TensorRT-LLM that disagg accepts and ignores.
+_TRTLLM_IGNORED = frozenset(
+    {
+        "otlp_config",
+        "disagg_cluster",
+        "node_id",
+        "return_perf_metrics",
+        "perf_metrics_output_dir",
+        "allow_request_chat_template",
+        "gen_strip_message_history",
+        "gen_tokids_ctxbytes",
+        "num_workers",
+        "disagg_coordinator_url",
+    }
+)
+# Worker (LLM API / trtllm-serve) arguments. At the top level TensorRT-LLM copies them into both
+# server sections, so they are accepted there; inside a section any key is accepted.
+_WORKER_KEYS = frozenset(
+    {
+        "model",
+        "backend",
+        "tokenizer",
+        "tokenizer_mode",
+        "skip_tokenizer_init",
+        "trust_remote_code",
+        "dtype",
+        "revision",
+        "tokenizer_revision",
+        "free_gpu_memory_fraction",
+        "gpu_fraction",
+        "kv_cache_free_gpu_memory_fraction",
+        "tensor_parallel_size",
+        "pipeline_parallel_size",
+        "context_parallel_size",
+        "moe_expert_parallel_size",
+        "moe_tensor_parallel_size",
+        "moe_cluster_parallel_size",
+        "gpus_per_node",
+        "cluster_size",
+        "enable_attention_dp",
+        "cp_config",
+        "kv_cache_config",
+        "cache_transceiver_config",
+        "scheduler_config",
+        "peft_cache_config",
+        "lora_config",
+        "enable_lora",
+        "speculative_config",
+        "sparse_attention_config",
+        "decoding_config",
+        "cuda_graph_config",
+        "moe_config",
+        "torch_compile_config",
+        "kv_connector_config",
+        "build_config",
+        "quant_config",
+        "calib_config",
+        "max_batch_size",
+        "max_num_tokens",
+        "max_seq_len",
+        "max_input_len",
+        "max_beam_width",
+        "enable_chunked_prefill",
+        "disable_overlap_scheduler",
+        "print_iter_log",
+        "enable_iter_perf_stats",
+        "enable_iter_req_stats",
+        "attn_backend",
+        "sampler_type",
+        "load_format",
+        "checkpoint_format",
+        "stream_interval",
+        "num_postprocess_workers",
+        "postprocess_tokenizer_dir",
+        "reasoning_parser",
+        "guided_decoding_backend",
+        "garbage_collection_gen0_threshold",
+        "enable_autotuner",
+        "enable_min_latency",
+        "batch_wait_timeout_ms",
+        "iter_stats_max_iterations",
+        "request_stats_max_iterations",
+        "otlp_traces_endpoint",
+        "env_overrides",
+        "use_cuda_graph",
+        "cuda_graph_batch_sizes",
+        "cuda_graph_padding_enabled",
+    }
+)
+_OWN_KEYS = frozenset(
+    {
+        "worker_startup_timeout",
+        "health_check_interval",
+        "request_timeout",
+        "max_request_body_bytes",
+        "max_tokens_limit",
+        "log_level",
+    }
+)
+_TOP_KEYS = _TRTLLM_KEYS | _TRTLLM_IGNORED | _WORKER_KEYS | _OWN_KEYS
+
+
+class ConfigError(Exception):
+    """A bad cluster file; `path` names the offending key (e.g. `context_servers.urls[1]`)."""
+
+    def __init__(self, path: str, message: str) -> None:
+        super().__init__(f"{path}: {message}" if path else message)
+        self.path = path
+        self.message = message
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    type: str = "round_robin"
+    args: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}), hash=False)
+
+
+@dataclass(frozen=True)
+class PoolConfig:
+    role: str  # "context" or "generation"
+    urls: tuple[str, ...]
+    router: RouterConfig
+    extra: Mapping[str, Any] = field(hash=False)  # accepted worker-launch keys, for display only
+
+
+@dataclass(frozen=True)
+class ConditionalDisaggConfig:
+    max_local_prefill_length: int = 0
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    context: PoolConfig
+    generation: PoolConfig
+    hostname: str = "127.0.0.1"
+    port: int = 8000
+    model: str | None = None
+    max_retries: int = 1
+    conditional_disagg: ConditionalDisaggConfig | None = None
+    schedule_style: str = "context_first"
+    perf_metrics_max_requests: int = 0
+    worker_startup_timeout: float = 60.0
+    health_check_interval: float = 2.0
+    request_timeout: float = 180.0
+    max_request_body_bytes: int = 10 * 1024 * 1024
+    max_tokens_limit: int = 1_000_000
+    log_level: str = "info"
+
+
+# --- small checkers -----------------------------------------------------------------------------
+
+
+def _join(path: str, key: object) -> str:
+    return f"{path}.{key}" if path else str(key)
+
+
+def _kind(value: object) -> str:
+    return "null" if value is None else type(value).__name__
+
+
+def _suggest(key: object, known: Iterable[str]) -> str:
+    close = difflib.get_close_matches(str(key), sorted(known), n=1)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def _check_keys(data: Mapping[str, Any], known: Iterable[str], path: str) -> None:
+    known = frozenset(known)
+    for key in data:
+        if key not in known:
+            raise ConfigError(_join(path, key), f"unknown key{_suggest(key, known)}")
+
+
+def _mapping(value: Any, path: str) -> Mapping[str, Any]:
+    if not isinstance(value, Mapping):
+        raise ConfigError(path, f"expected a mapping, got {_kind(value)}")
+    for key in value:
+        if not isinstance(key, str):
+            raise ConfigError(_join(path, key), f"keys must be strings, got {_kind(key)}")
+    return value
+
+
+def _int(value: Any, path: str, minimum: int = 0, maximum: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(path, f"expected an integer, got {_kind(value)} {value!r}")
+    if value < minimum or (maximum is not None and value > maximum):
+        bound = f"{minimum}..{maximum}" if maximum is not None else f">= {minimum}"
+        raise ConfigError(path, f"must be {bound}, got {value}")
+    return value
+
+
+def _seconds(value: Any, path: str, *, allow_zero: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or math.isnan(value):
+        raise ConfigError(path, f"expected a number of seconds, got {_kind(value)} {value!r}")
+    if value < 0 or (value == 0 and not allow_zero) or math.isinf(value):
+        need = "a finite number >= 0" if allow_zero else "a finite number > 0"
+        raise ConfigError(path, f"must be {need}, got {value}")
+    return float(value)
+
+
+def _choice(value: Any, path: str, choices: Sequence[str]) -> str:
+    if not isinstance(value, str) or value not in choices:
+        options = ", ".join(choices)
+        hint = _suggest(value, choices) if isinstance(value, str) else ""
+        raise ConfigError(path, f"expected one of {options}, got {value!r}{hint}")
+    return value
+
+
+def _str(value: Any, path: str) -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise ConfigError(path, f"expected a non-empty string, got {_kind(value)} {value!r}")
+    return value
+
+
+def _freeze(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return MappingProxyType({k: _freeze(v) for k, v in value.items()})
+    if isinstance(value, list | tuple):
+        return tuple(_freeze(v) for v in value)
+    return value
+
+
+def _thaw(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {k: _thaw(v) for k, v in value.items()}
+    if isinstance(value, tuple):
+        return [_thaw(v) for v in value]
+    return value
+
+
+# --- URLs ---------------------------------------------------------------------------------------
+
+
+def normalize_url(value: Any, path: str) -> str:
+    """`host:port` or `http(s)://host[:port]` → `scheme://host[:port]` (no trailing slash)."""
+    bad = f'expected "host:port" or http(s)://host:port URL, got {value!r}'
+    if not isinstance(value, str) or not value.strip():
+        raise ConfigError(path, bad)
+    text = value.strip()
+    has_scheme = "://" in text
+    try:
+        parts = urlsplit(text if has_scheme else f"http://{text}")
+        port = parts.port
+    except ValueError:
+        raise ConfigError(path, bad) from None
+    host = parts.hostname
+    if (
+        parts.scheme not in ("http", "https")
+        or not host
+        or parts.username is not None
+        or parts.path not in ("", "/")
+        or parts.query
+        or parts.fragment
+        or (port is None and not has_scheme)
+        or port == 0
+    ):
+        raise ConfigError(path, bad)
+    if ":" in host:
+        host = f"[{host}]"
+    return f"{parts.scheme}://{host}" + (f":{port}" if port is not None else "")
+
+
+# --- sections -----------------------------------------------------------------------------------
+
+
+def _parse_urls(section: Mapping[str, Any], path: str, discovery: bool) -> tuple[str, ...]:
+    if section.get("urls") is None:
+        why = " (disagg_cluster service discovery is not supported)" if discovery else ""
+        raise ConfigError(path, f"required: a non-empty list of worker URLs{why}")
+    raw = section["urls"]
+    if isinstance(raw, str) or not isinstance(raw, list):
+        raise ConfigError(path, f"expected a list of URLs, got {_kind(raw)}")
+    if not raw:
+        raise ConfigError(path, "must list at least one worker URL")
+    urls = tuple(normalize_url(item, f"{path}[{i}]") for i, item in enumerate(raw))
+    for i, url in enumerate(urls):
+        if url in urls[:i]:
+            raise ConfigError(f"{path}[{i}]", f"duplicate worker URL {url!r}")
+    return urls
+
+
+def _check_num_instances(section: Mapping[str, Any], count: int, path: str) -> None:
+    """As in TensorRT-LLM, `num_instances` must equal the number of URLs (inferred if absent)."""
+    if "num_instances" not in section:
+        return
+    n = _int(section["num_instances"], _join(path, "num_instances"), minimum=1)
+    if n != count:
+        raise ConfigError(
+            _join(path, "num_instances"), f"is {n} but {count} URL(s) are listed under urls"
+        )
+
+
+def _check_router_arg(key: str, value: Any, path: str) -> None:
+    check = _ROUTER_ARGS.get(key)
+    if check == "bool" and not isinstance(value, bool):
+        raise ConfigError(path, f"expected true or false, got {_kind(value)} {value!r}")
+    if check == "positive int":
+        _int(value, path, minimum=1)
+
+
+def _parse_router(block: Any, path: str, server: Mapping[str, Any]) -> RouterConfig:
+    """The `router` block: a fixed `type` plus the router's own arguments."""
+    data = dict(_mapping(block, path)) if block is not None else {}
+    router_type = _choice(data.pop("type", "round_robin"), _join(path, "type"), ROUTER_TYPES)
+    for key, value in data.items():
+        known = ["type", *_ROUTER_ARGS]
+        if key not in _ROUTER_ARGS and difflib.get_close_matches(key, known, cutoff=0.8):
+            raise ConfigError(_join(path, key), f"unknown router argument{_suggest(key, known)}")
+        _check_router_arg(key, value, _join(path, key))
+    # Like TensorRT-LLM: the routers see the pool's batch limits and the KV-cache block size.
+    for key in _ROUTER_INHERITED:
+        if key in server:
+            data[key] = server[key]
+    kv_cache = server.get("kv_cache_config")
+    if isinstance(kv_cache, Mapping) and "tokens_per_block" in kv_cache:
+        data.setdefault("tokens_per_block", kv_cache["tokens_per_block"])
+    return RouterConfig(type=router_type, args=_freeze(data))
+
+
+def _check_pool_keys(section: Mapping[str, Any], path: str) -> None:
+    """Any worker-launch key is accepted; one that looks like a typo of ours is not."""
+    for key in section:
+        if key in _POOL_KEYS or key in _WORKER_KEYS:
+            continue
+        if difflib.get_close_matches(key, _POOL_KEYS, n=1, cutoff=0.75):
+            raise ConfigError(_join(path, key), f"unknown key{_suggest(key, _POOL_KEYS)}")
+
+
+def _inherit(section: dict[str, Any], top: Mapping[str, Any], path: str) -> None:
+    """Top-level worker keys apply to both pools; a differing value in a pool is an error."""
+    for key in sorted(_WORKER_KEYS.intersection(top)):
+        if key in section and section[key] != top[key]:
+            raise ConfigError(
+                _join(path, key),
+                f"{section[key]!r} differs from the top-level {key}: {top[key]!r}",
+            )
+        section[key] = top[key]
+
+
+def _parse_pool(role: str, top: Mapping[str, Any]) -> PoolConfig:
+    path = _SECTIONS[role]
+    if top.get(path) is None:
+        raise ConfigError(path, f"required section is missing (the {role} worker pool)")
+    section = dict(_mapping(top[path], path))
+    _inherit(section, top, path)
+    _check_pool_keys(section, path)
+    urls = _parse_urls(section, _join(path, "urls"), discovery="disagg_cluster" in top)
+    _check_num_instances(section, len(urls), path)
+    extra = {k: v for k, v in section.items() if k not in _POOL_KEYS}
+    if section.get("router") is not None:
+        router = _parse_router(section["router"], _join(path, "router"), extra)
+    else:
+        router = _parse_router(top.get("router"), "router", extra)
+    return PoolConfig(role=role, urls=urls, router=router, extra=_freeze(extra))
+
+
+def _parse_conditional(value: Any, path: str) -> ConditionalDisaggConfig | None:
+    if value is None:
+        return None
+    data = _mapping(value, path)
+    if not data:
+        return None
+    _check_keys(data, ["max_local_prefill_length"], path)
+    length = data.get("max_local_prefill_length", 0)
+    return ConditionalDisaggConfig(_int(length, _join(path, "max_local_prefill_length")))
+
+
+def _check_ignored(top: Mapping[str, Any]) -> None:
+    """Keys disagg ignores still get the shape check TensorRT-LLM gives them."""
+    for key in ("otlp_config", "disagg_cluster"):
+        if top.get(key) is not None:
+            _mapping(top[key], key)
+    if top.get("node_id") is not None:
+        _int(top["node_id"], "node_id", maximum=255)
+
+
+def _server_fields(top: Mapping[str, Any]) -> dict[str, Any]:
+    """The TensorRT-LLM disagg-server keys disagg reads."""
+    fields: dict[str, Any] = {}
+    if "hostname" in top:
+        fields["hostname"] = _str(top["hostname"], "hostname")
+    if "port" in top:
+        fields["port"] = _int(top["port"], "port", minimum=1, maximum=65535)
+    if top.get("model") is not None:
+        fields["model"] = _str(top["model"], "model")
+    if "max_retries" in top:
+        fields["max_retries"] = _int(top["max_retries"], "max_retries")
+    if "perf_metrics_max_requests" in top:
+        value = top["perf_metrics_max_requests"]
+        fields["perf_metrics_max_requests"] = _int(value, "perf_metrics_max_requests")
+    if top.get("schedule_style") is not None:
+        fields["schedule_style"] = _choice(top["schedule_style"], "schedule_style", SCHEDULE_STYLES)
+    fields["conditional_disagg"] = _parse_conditional(
+        top.get("conditional_disagg_config"), "conditional_disagg_config"
+    )
+    return fields
+
+
+def _own_fields(top: Mapping[str, Any]) -> dict[str, Any]:
+    """disagg's own top-level keys."""
+    fields: dict[str, Any] = {}
+    if "worker_startup_timeout" in top:
+        value = top["worker_startup_timeout"]
+        fields["worker_startup_timeout"] = _seconds(
+            value, "worker_startup_timeout", allow_zero=True
+        )
+    for key in ("health_check_interval", "request_timeout"):
+        if key in top:
+            fields[key] = _seconds(top[key], key)
+    for key in ("max_request_body_bytes", "max_tokens_limit"):
+        if key in top:
+            fields[key] = _int(top[key], key, minimum=1)
+    if "log_level" in top:
+        level = top["log_level"]
+        fields["log_level"] = _choice(
+            level.lower() if isinstance(level, str) else level, "log_level", LOG_LEVELS
+        )
+    return fields
+
+
+# --- public API ---------------------------------------------------------------------------------
+
+
+def parse_config(data: Any) -> ClusterConfig:
+    """Validate an already-loaded YAML value (the whole cluster file)."""
+    if data is None:
+        raise ConfigError("", "the config file is empty; expected a mapping of settings")
+    if not isinstance(data, Mapping):
+        raise ConfigError("", f"expected a mapping at the top level, got {_kind(data)}")
+    top = _mapping(data, "")
+    _check_keys(top, _TOP_KEYS, "")
+    _check_ignored(top)
+    return ClusterConfig(
+        context=_parse_pool("context", top),
+        generation=_parse_pool("generation", top),
+        **_server_fields(top),
+        **_own_fields(top),
+    )
+
+
+def load_config(path: str | os.PathLike[str]) -> ClusterConfig:
+    """Read and validate the cluster YAML file at `path`."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            text = fh.read()
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise ConfigError("", f"cannot read config file {os.fspath(path)!r}: {reason}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError("", _yaml_message(exc)) from None
+    return parse_config(data)
+
+
+def _yaml_message(exc: yaml.YAMLError) -> str:
+    mark = getattr(exc, "problem_mark", None)
+    problem = getattr(exc, "problem", None) or str(exc)
+    if mark is None:
+        return f"invalid YAML: {problem}"
+    return f"invalid YAML at line {mark.line + 1}, column {mark.column + 1}: {problem}"
+
+
+def _pool_to_dict(pool: PoolConfig) -> dict[str, Any]:
+    router = {"type": pool.router.type, **_thaw(pool.router.args)}
+    out: dict[str, Any] = {"num_instances": len(pool.urls), "urls": list(pool.urls)}
+    out["router"] = router
+    out.update(_thaw(pool.extra))
+    return out
+
+
+def config_to_dict(cfg: ClusterConfig) -> dict[str, Any]:
+    """The resolved config as plain data; `parse_config(config_to_dict(c)) == c`."""
+    out: dict[str, Any] = {"hostname": cfg.hostname, "port": cfg.port}
+    if cfg.model is not None:
+        out["model"] = cfg.model
+    out |= {
+        "max_retries": cfg.max_retries,
+        "schedule_style": cfg.schedule_style,
+        "perf_metrics_max_requests": cfg.perf_metrics_max_requests,
+    }
+    if cfg.conditional_disagg is not None:
+        limit = cfg.conditional_disagg.max_local_prefill_length
+        out["conditional_disagg_config"] = {"max_local_prefill_length": limit}
+    out |= {
+        "worker_startup_timeout": cfg.worker_startup_timeout,
+        "health_check_interval": cfg.health_check_interval,
+        "request_timeout": cfg.request_timeout,
+        "max_request_body_bytes": cfg.max_request_body_bytes,
+        "max_tokens_limit": cfg.max_tokens_limit,
+        "log_level": cfg.log_level,
+        "context_servers": _pool_to_dict(cfg.context),
+        "generation_servers": _pool_to_dict(cfg.generation),
+    }
+    return out
+
+
+def static_config(
+    context_urls: Sequence[str], generation_urls: Sequence[str], **overrides: Any
+) -> ClusterConfig:
+    """A config built in code; `overrides` are top-level file keys (e.g. `request_timeout=5`)."""
+    data: dict[str, Any] = dict(overrides)
+    for key, urls in (("context_servers", context_urls), ("generation_servers", generation_urls)):
+        section = dict(_mapping(data.get(key) or {}, key))
+        section["urls"] = urls if isinstance(urls, str) else list(urls)
+        data[key] = section
+    return parse_config(data)

@@ -1,0 +1,196 @@
+"""How each OpenAI endpoint is split into a context and a generation leg and glued back.
+
+One small class per endpoint: build the context request, read the context answer, build the
+generation request, and turn a context answer that already finished into the client's
+answer. Pure data transformation; no I/O, no placement.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from disagg.formats import DONE, ChatShape, CompletionShape, ResponsesShape, Shape
+from disagg.protocol import ChatCompletionRequest, CompletionRequest, ResponsesRequest
+from disagg.protocol import usage as make_usage
+
+# finish reasons by which a context_only answer says a generation leg must follow; "length"
+# only counts when the client's own budget is not used up (TensorRT-LLM workers say "length"
+# for a context leg that stopped after its first token).
+UNFINISHED = frozenset({"not_finished", "length"})
+
+
+def _finished(reason: str, generated: int, budget: int | None) -> bool:
+    if reason not in UNFINISHED:
+        return True
+    return reason == "length" and budget is not None and generated >= budget
+
+
+@dataclass(frozen=True)
+class ContextOutcome:
+    finished: bool
+    params: dict[str, Any]
+    prompt_token_ids: list[int]
+    usage: dict[str, Any]  # chat/completions shape
+    text: str
+    finish_reason: str
+
+
+class Endpoint:
+    path: ClassVar[str]
+    request_type: ClassVar[type]
+    shape_type: ClassVar[type]
+    max_tokens_keys: ClassVar[tuple[str, ...]] = ("max_tokens",)
+
+    def context_request(self, body: dict[str, Any], disagg_id: int) -> dict[str, Any]:
+        req = {k: v for k, v in body.items() if k != "stream_options"}
+        req["stream"] = False
+        req["disaggregated_params"] = {"request_type": "context_only",
+                                       "disagg_request_id": disagg_id}
+        return req
+
+    def generation_request(self, body: dict[str, Any], ctx: ContextOutcome,
+                           disagg_id: int) -> dict[str, Any]:
+        req = dict(body)
+        self._set_prompt(req, ctx.prompt_token_ids)
+        p = ctx.params
+        req["disaggregated_params"] = {
+            "request_type": "generation_only",
+            "disagg_request_id": disagg_id,
+            "ctx_request_id": p.get("ctx_request_id"),
+            "first_gen_tokens": p.get("first_gen_tokens"),
+            "encoded_opaque_state": p.get("encoded_opaque_state"),
+            "draft_tokens": p.get("draft_tokens"),
+            "ctx_usage": ctx.usage,
+        }
+        return {k: v for k, v in req.items() if v is not None}
+
+    def _set_prompt(self, req: dict[str, Any], ids: list[int]) -> None:
+        req["prompt_token_ids"] = ids
+
+    def budget(self, body: dict[str, Any]) -> int | None:
+        """The client's output token budget, when it set one."""
+        for key in self.max_tokens_keys:
+            if isinstance(body.get(key), int):
+                return int(body[key])
+        return None
+
+    def outcome(self, resp: dict[str, Any], budget: int | None) -> ContextOutcome:
+        choice = (resp.get("choices") or [{}])[0]
+        reason = choice.get("finish_reason") or "stop"
+        generated = int((resp.get("usage") or {}).get("completion_tokens", 1))
+        return ContextOutcome(
+            finished=_finished(reason, generated, budget),
+            params=choice.get("disaggregated_params") or {},
+            prompt_token_ids=list(resp.get("prompt_token_ids") or []),
+            usage=resp.get("usage") or make_usage(0, 0, 0),
+            text=self._text(choice),
+            finish_reason=reason,
+        )
+
+    def _text(self, choice: dict[str, Any]) -> str:
+        return str(choice.get("text") or "")
+
+    def clean(self, resp: dict[str, Any], ctx: ContextOutcome | None) -> dict[str, Any]:
+        """The answer as the client gets it: internal fields gone, usage over both legs."""
+        resp.pop("prompt_token_ids", None)
+        for choice in resp.get("choices") or ():
+            choice.pop("disaggregated_params", None)
+        if ctx is not None and isinstance(resp.get("usage"), dict):
+            completion = int(resp["usage"].get("completion_tokens", 0))
+            resp["usage"] = _merged(ctx.usage, completion)
+        return resp
+
+    def shape(self, resp: dict[str, Any]) -> Shape:
+        rid = str(resp.get("id") or "")
+        shape: Shape = self.shape_type(rid, str(resp.get("model", "")), resp.get("created"))
+        return shape
+
+    def finished_stream(self, resp: dict[str, Any], ctx: ContextOutcome,
+                        include_usage: bool) -> list[bytes]:
+        """A finished context answer as the stream the client asked for."""
+        shape = self.shape(resp)
+        out = shape.stream_start()
+        if ctx.text:
+            out.append(shape.stream_delta(ctx.text))
+        out += shape.stream_end(ctx.text, ctx.finish_reason,
+                                _merged(ctx.usage, None) if include_usage else None)
+        out.append(DONE)
+        return out
+
+
+def _merged(ctx_usage: dict[str, Any], completion_tokens: int | None) -> dict[str, Any]:
+    prompt = int(ctx_usage.get("prompt_tokens", 0))
+    cached = int((ctx_usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0))
+    done = int(ctx_usage.get("completion_tokens", 0)) if completion_tokens is None else (
+        completion_tokens)
+    return make_usage(prompt, done, cached)
+
+
+class Completions(Endpoint):
+    path = "/v1/completions"
+    request_type = CompletionRequest
+    shape_type = CompletionShape
+
+    def _set_prompt(self, req: dict[str, Any], ids: list[int]) -> None:
+        req["prompt"] = ids
+
+
+class Chat(Endpoint):
+    path = "/v1/chat/completions"
+    request_type = ChatCompletionRequest
+    shape_type = ChatShape
+    max_tokens_keys = ("max_tokens", "max_completion_tokens")
+
+    def _text(self, choice: dict[str, Any]) -> str:
+        return str((choice.get("message") or {}).get("content") or "")
+
+
+class Responses(Endpoint):
+    path = "/v1/responses"
+    request_type = ResponsesRequest
+    shape_type = ResponsesShape
+    max_tokens_keys = ("max_output_tokens",)
+
+    def context_request(self, body: dict[str, Any], disagg_id: int) -> dict[str, Any]:
+        req = super().context_request(body, disagg_id)
+        req.pop("stream_options", None)
+        return req
+
+    def outcome(self, resp: dict[str, Any], budget: int | None) -> ContextOutcome:
+        status = resp.get("status")
+        reason = (resp.get("incomplete_details") or {}).get("reason")
+        finish = "not_finished" if status == "in_progress" else (
+            "length" if reason == "max_output_tokens" else "stop")
+        u = resp.get("usage") or {}
+        cached = (u.get("input_tokens_details") or {}).get("cached_tokens", 0)
+        return ContextOutcome(
+            finished=_finished(finish, int(u.get("output_tokens", 1)), budget),
+            params=resp.get("disaggregated_params") or {},
+            prompt_token_ids=list(resp.get("prompt_token_ids") or []),
+            usage=make_usage(int(u.get("input_tokens", 0)), int(u.get("output_tokens", 0)),
+                             int(cached)),
+            text="".join(part.get("text", "") for item in resp.get("output") or ()
+                         for part in item.get("content") or ()),
+            finish_reason=finish,
+        )
+
+    def clean(self, resp: dict[str, Any], ctx: ContextOutcome | None) -> dict[str, Any]:
+        resp.pop("prompt_token_ids", None)
+        resp.pop("disaggregated_params", None)
+        u = resp.get("usage")
+        if ctx is not None and isinstance(u, dict):
+            p = ctx.usage
+            u["input_tokens"] = p["prompt_tokens"]
+            u["total_tokens"] = p["prompt_tokens"] + int(u.get("output_tokens", 0))
+            u["input_tokens_details"] = {
+                "cached_tokens": (p.get("prompt_tokens_details") or {}).get("cached_tokens", 0)}
+        return resp
+
+    def shape(self, resp: dict[str, Any]) -> Shape:
+        return ResponsesShape(str(resp.get("id") or ""), str(resp.get("model", "")),
+                              resp.get("created_at"))
+
+
+ENDPOINTS: dict[str, Endpoint] = {"completions": Completions(), "chat": Chat(),
+                                  "responses": Responses()}

@@ -1,0 +1,339 @@
+"""The reference worker's HTTP API: OpenAI endpoints, context_only / generation_only legs,
+the KV fetch endpoint, health and stats.
+
+Handlers parse and answer; the scheduler thread does all model and KV-cache work.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from disagg import __version__
+from disagg.engine.kv_cache import BlockManager, OutOfBlocks, SeqBlocks
+from disagg.engine.model import Model
+from disagg.engine.requests import Job, build_job
+from disagg.engine.scheduler import Event, Scheduler, Sequence
+from disagg.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from disagg.engine.transfer import KVPayload, OpaqueState, TransferError
+from disagg.errors import (
+    DisaggError,
+    InvalidRequest,
+    ModelNotFound,
+    NotFound,
+    ServiceUnavailable,
+    WorkerUnavailable,
+)
+from disagg.formats import DONE
+from disagg.http import error_middleware, json_response
+from disagg.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ResponsesRequest,
+    decode_body,
+    usage,
+    validate,
+)
+
+log = logging.getLogger(__name__)
+
+ROLES = ("context", "generation", "mixed")
+_KINDS = {"completions": CompletionRequest, "chat": ChatCompletionRequest,
+          "responses": ResponsesRequest}
+
+
+@dataclass(frozen=True)
+class WorkerSettings:
+    role: str = "mixed"
+    model_name: str = "tiny"
+    advertise_url: str = "http://127.0.0.1:8001"
+    num_blocks: int = 1024
+    block_size: int = 16
+    kv_lease_s: float = 30.0
+    max_batched_tokens: int = 256
+    max_body_bytes: int = 10 * 1024 * 1024
+
+
+class Worker:
+    def __init__(self, model: Model, tokenizer: Tokenizer, settings: WorkerSettings) -> None:
+        if settings.role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {settings.role!r}")
+        self.model, self.tokenizer, self.settings = model, tokenizer, settings
+        kv_shape = model.kv_shape(settings.num_blocks, settings.block_size)
+        self.blocks = BlockManager(kv_shape, model.config.dtype)
+        self.scheduler = Scheduler(model, tokenizer, self.blocks,
+                                   max_batched_tokens=settings.max_batched_tokens,
+                                   lease_s=settings.kv_lease_s)
+        self._session: aiohttp.ClientSession | None = None
+
+    # -- app --------------------------------------------------------------------------------
+
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[error_middleware],
+                              client_max_size=self.settings.max_body_bytes)
+        app.add_routes([
+            web.post("/v1/completions", self._endpoint("completions")),
+            web.post("/v1/chat/completions", self._endpoint("chat")),
+            web.post("/v1/responses", self._endpoint("responses")),
+            web.get("/v1/models", self.models),
+            web.get("/health", self.health),
+            web.get("/server_info", self.server_info),
+            web.get("/stats", self.stats),
+            web.post("/kv/fetch", self.kv_fetch),
+            web.post("/kv/release", self.kv_release),
+        ])
+        app.on_startup.append(self._start)
+        app.on_cleanup.append(self._stop)
+        return app
+
+    async def _start(self, _app: web.Application) -> None:
+        self.scheduler.start()
+        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60))
+
+    async def _stop(self, _app: web.Application) -> None:
+        if self._session is not None:
+            await self._session.close()
+        await asyncio.get_running_loop().run_in_executor(None, self.scheduler.stop)
+
+    # -- small endpoints --------------------------------------------------------------------
+
+    async def health(self, _request: web.Request) -> web.Response:
+        return json_response({"status": "ok", "role": self.settings.role})
+
+    async def models(self, _request: web.Request) -> web.Response:
+        card = {"id": self.settings.model_name, "object": "model", "created": 0,
+                "owned_by": "disagg"}
+        return json_response({"object": "list", "data": [card]})
+
+    async def server_info(self, _request: web.Request) -> web.Response:
+        cfg = self.model.config
+        return json_response({
+            "role": self.settings.role, "model": self.settings.model_name,
+            "block_size": self.blocks.block_size, "num_blocks": self.blocks.num_blocks,
+            "dtype": cfg.dtype, "max_position": cfg.max_position, "version": __version__,
+        })
+
+    async def stats(self, _request: web.Request) -> web.Response:
+        return json_response({"role": self.settings.role,
+                              **await self.scheduler.call(self.scheduler.stats)})
+
+    async def kv_fetch(self, request: web.Request) -> web.Response:
+        data = decode_body(await request.read())
+        rid, start = _int_field(data, "ctx_request_id"), _int_field(data, "start_block", 0)
+        try:
+            arr, num_tokens = await self.scheduler.call(
+                lambda: self.scheduler.take_pinned(rid, start))
+        except KeyError:
+            raise NotFound(f"no pinned KV for ctx_request_id {rid} (unknown, fetched or"
+                           " expired)") from None
+        return web.Response(body=KVPayload(arr, num_tokens).to_bytes(),
+                            content_type="application/octet-stream")
+
+    async def kv_release(self, request: web.Request) -> web.Response:
+        rid = _int_field(decode_body(await request.read()), "ctx_request_id")
+        released = await self.scheduler.call(lambda: self.scheduler.release_pinned(rid))
+        return json_response({"released": released})
+
+    # -- OpenAI endpoints -------------------------------------------------------------------
+
+    def _endpoint(self, kind: str) -> Any:
+        async def handler(request: web.Request) -> web.StreamResponse:
+            msgpack = request.headers.get("X-TRTLLM-Msgpack") == "1"
+            req = validate(decode_body(await request.read(), msgpack=msgpack), _KINDS[kind])
+            if req.model != self.settings.model_name:
+                raise ModelNotFound(req.model)
+            job = build_job(kind, req, self.tokenizer, self.settings.model_name,
+                            self.model.config.max_position)
+            return await self._run(request, job)
+
+        return handler
+
+    def _check_role(self, request_type: str) -> None:
+        role = self.settings.role
+        if (request_type == "context_only" and role == "generation") or (
+            request_type == "generation_only" and role == "context"
+        ):
+            raise InvalidRequest(f"a {role} worker does not take {request_type} requests",
+                                 param="disaggregated_params")
+
+    async def _run(self, request: web.Request, job: Job) -> web.StreamResponse:
+        rtype = job.disagg.request_type
+        self._check_role(rtype)
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[Event] = asyncio.Queue()
+        seq = Sequence(
+            seq_id=self.scheduler.next_id(), prompt_ids=job.prompt_ids, params=job.params,
+            sink=lambda ev: loop.call_soon_threadsafe(queue.put_nowait, ev),
+            detok=IncrementalDetokenizer(self.tokenizer), context_only=rtype == "context_only",
+        )
+        if job.params.seed is not None:
+            import numpy as np
+
+            seq.rng = np.random.default_rng(job.params.seed)
+        if rtype == "generation_only":
+            seq.blocks = await self._receive_kv(job)
+            seq.output_ids = list(job.disagg.first_gen_tokens or [])
+            seq.num_computed = seq.num_cached_tokens = len(job.prompt_ids)
+            if not seq.output_ids:
+                await self.scheduler.call(lambda: self.blocks.free(seq.blocks))  # type: ignore[arg-type]
+                raise InvalidRequest("generation_only needs first_gen_tokens",
+                                     param="disaggregated_params")
+        finished = False
+        self.scheduler.submit(seq)
+        try:
+            if job.stream and not seq.context_only:
+                return await self._stream(request, job, seq, queue)
+            text, reason = await self._collect(queue)
+            finished = True
+            return json_response(self._answer(job, seq, text, reason))
+        finally:
+            if not finished:
+                self.scheduler.abort(seq)
+
+    async def _collect(self, queue: asyncio.Queue[Event]) -> tuple[str, str]:
+        parts: list[str] = []
+        while True:
+            ev = await queue.get()
+            parts.append(ev.text)
+            if ev.finish_reason is not None:
+                if ev.error:
+                    raise DisaggError(f"engine error: {ev.error}")
+                return "".join(parts), ev.finish_reason
+
+    def _usage(self, job: Job, seq: Sequence) -> dict[str, Any]:
+        ctx = job.disagg.ctx_usage
+        if ctx and job.disagg.request_type == "generation_only":
+            details = ctx.get("prompt_tokens_details") or {}
+            return usage(int(ctx.get("prompt_tokens", len(job.prompt_ids))),
+                         len(seq.output_ids), int(details.get("cached_tokens", 0)))
+        return usage(len(job.prompt_ids), len(seq.output_ids), seq.num_cached_tokens)
+
+    def _answer(self, job: Job, seq: Sequence, text: str, reason: str) -> dict[str, Any]:
+        body = job.shape.response(text, reason, self._usage(job, seq))
+        if not seq.context_only:
+            return body
+        params: dict[str, Any] = {"request_type": "context_only",
+                                  "first_gen_tokens": seq.output_ids, "draft_tokens": None,
+                                  "disagg_request_id": job.disagg.disagg_request_id}
+        if reason == "not_finished":
+            params["ctx_request_id"] = seq.seq_id
+            params["encoded_opaque_state"] = self._opaque_state(seq).encode()
+        if "choices" in body:
+            body["choices"][0]["disaggregated_params"] = params
+        else:
+            body["disaggregated_params"] = params
+        body["prompt_token_ids"] = job.prompt_ids
+        return body
+
+    def _opaque_state(self, seq: Sequence) -> OpaqueState:
+        cfg = self.model.config
+        return OpaqueState(self.settings.advertise_url, seq.seq_id, len(seq.prompt_ids),
+                           self.blocks.block_size, cfg.dtype,
+                           (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim))
+
+    async def _stream(self, request: web.Request, job: Job, seq: Sequence,
+                      queue: asyncio.Queue[Event]) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                           "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        shape = job.shape
+        for chunk in shape.stream_start():
+            await resp.write(chunk)
+        text: list[str] = []
+        while True:
+            ev = await queue.get()
+            text.append(ev.text)
+            if ev.text:
+                await resp.write(shape.stream_delta(ev.text))
+            if ev.finish_reason is None:
+                continue
+            if ev.error:
+                await resp.write(b"data: " + _error_json(ev.error) + b"\n\n")
+            else:
+                use = self._usage(job, seq) if job.include_usage or job.kind == "responses" else (
+                    None)
+                for chunk in shape.stream_end("".join(text), ev.finish_reason, use):
+                    await resp.write(chunk)
+            await resp.write(DONE)
+            await resp.write_eof()
+            return resp
+
+    # -- KV transfer ------------------------------------------------------------------------
+
+    async def _receive_kv(self, job: Job) -> SeqBlocks:
+        state = self._check_state(job)
+        try:
+            blocks = await self.scheduler.call(lambda: self.blocks.allocate(job.prompt_ids))
+        except OutOfBlocks:
+            raise ServiceUnavailable("generation worker is out of KV blocks") from None
+        try:
+            start = blocks.num_cached_tokens // self.blocks.block_size
+            payload = await self._fetch(state, start)
+            table = blocks.block_table[start:]
+            if payload.data.shape[2] != len(table) or payload.num_tokens != len(job.prompt_ids):
+                raise WorkerUnavailable("KV transfer returned the wrong number of blocks/tokens")
+
+            def store() -> None:
+                self.blocks.write_blocks(table, payload.data)
+                self.blocks.commit(blocks, len(job.prompt_ids))
+
+            await self.scheduler.call(store)
+            return blocks
+        except BaseException:
+            await asyncio.shield(self.scheduler.call(lambda: self.blocks.free(blocks)))
+            raise
+
+    def _check_state(self, job: Job) -> OpaqueState:
+        if not job.disagg.encoded_opaque_state:
+            raise InvalidRequest("generation_only needs encoded_opaque_state",
+                                 param="disaggregated_params")
+        try:
+            state = OpaqueState.decode(job.disagg.encoded_opaque_state)
+        except TransferError as exc:
+            raise InvalidRequest(str(exc), param="disaggregated_params") from None
+        cfg = self.model.config
+        mine = (self.blocks.block_size, cfg.dtype, (cfg.num_layers, cfg.num_kv_heads,
+                                                    cfg.head_dim))
+        if (state.block_size, state.dtype, tuple(state.layout)) != mine:
+            raise InvalidRequest("the context worker's KV layout does not match this worker's",
+                                 param="disaggregated_params")
+        if state.num_tokens != len(job.prompt_ids):
+            raise InvalidRequest("prompt_token_ids do not match the transferred KV",
+                                 param="prompt")
+        return state
+
+    async def _fetch(self, state: OpaqueState, start_block: int) -> KVPayload:
+        assert self._session is not None
+        url = state.endpoint.rstrip("/") + "/kv/fetch"
+        body = {"ctx_request_id": state.ctx_request_id, "start_block": start_block}
+        try:
+            async with self._session.post(url, json=body) as resp:
+                raw = await resp.read()
+                if resp.status != 200:
+                    raise WorkerUnavailable(
+                        f"KV fetch from the context worker failed ({resp.status}): "
+                        + raw[:300].decode(errors="replace"))
+        except aiohttp.ClientError as exc:
+            raise WorkerUnavailable(f"KV fetch from the context worker failed: {exc}") from None
+        try:
+            return KVPayload.from_bytes(raw, state)
+        except TransferError as exc:
+            raise WorkerUnavailable(f"bad KV payload from the context worker: {exc}") from None
+
+
+def _int_field(data: dict[str, Any], name: str, default: int | None = None) -> int:
+    value = data.get(name, default)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise InvalidRequest(f"`{name}` must be a non-negative integer", param=name)
+    return value
+
+
+def _error_json(message: str) -> bytes:
+    import msgspec
+
+    return msgspec.json.encode(DisaggError(message).body())

@@ -1,0 +1,76 @@
+"""KV transfer between reference workers: the opaque state and the binary block format.
+
+The context worker describes where its pinned KV lives in `encoded_opaque_state` (base64 of
+JSON); the generation worker pulls the blocks over HTTP as one binary body: a 4-byte
+big-endian header length, a JSON header (shape, dtype, num_tokens) and the raw array.
+No I/O here: encoding, decoding and checks only.
+"""
+
+from __future__ import annotations
+
+import base64
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import numpy as np
+
+
+class TransferError(ValueError):
+    """A malformed opaque state or KV payload."""
+
+
+class OpaqueState(msgspec.Struct, frozen=True):
+    endpoint: str  # base URL of the context worker that holds the KV
+    ctx_request_id: int
+    num_tokens: int
+    block_size: int
+    dtype: str
+    layout: tuple[int, int, int]  # (num_layers, num_kv_heads, head_dim)
+
+    def encode(self) -> str:
+        return base64.b64encode(msgspec.json.encode(self)).decode()
+
+    @classmethod
+    def decode(cls, text: str) -> OpaqueState:
+        try:
+            return msgspec.json.decode(base64.b64decode(text, validate=True), type=cls)
+        except (ValueError, msgspec.DecodeError) as exc:
+            raise TransferError(f"invalid encoded_opaque_state: {exc}") from None
+
+
+@dataclass(frozen=True)
+class KVPayload:
+    data: np.ndarray  # (num_layers, 2, n_blocks, block_size, num_kv_heads, head_dim)
+    num_tokens: int
+
+    def to_bytes(self) -> bytes:
+        header = msgspec.json.encode(
+            {"shape": list(self.data.shape), "dtype": str(self.data.dtype),
+             "num_tokens": self.num_tokens}
+        )
+        return struct.pack(">I", len(header)) + header + np.ascontiguousarray(self.data).tobytes()
+
+    @classmethod
+    def from_bytes(cls, body: bytes, expect: OpaqueState) -> KVPayload:
+        if len(body) < 4:
+            raise TransferError("KV payload truncated")
+        (n,) = struct.unpack(">I", body[:4])
+        try:
+            header: dict[str, Any] = msgspec.json.decode(body[4 : 4 + n])
+            shape = tuple(int(x) for x in header["shape"])
+            dtype = np.dtype(header["dtype"])
+        except (msgspec.DecodeError, KeyError, TypeError, ValueError) as exc:
+            raise TransferError(f"bad KV payload header: {exc}") from None
+        layers, kvh, hd = expect.layout
+        if len(shape) != 6 or (shape[0], shape[1], shape[3], shape[4], shape[5]) != (
+            layers, 2, expect.block_size, kvh, hd
+        ):
+            raise TransferError(f"KV payload shape {shape} does not match the expected layout")
+        if dtype != np.dtype(expect.dtype):
+            raise TransferError(f"KV payload dtype {dtype} != expected {expect.dtype}")
+        raw = body[4 + n :]
+        if len(raw) != int(np.prod(shape)) * dtype.itemsize:
+            raise TransferError("KV payload size does not match its shape")
+        return cls(np.frombuffer(raw, dtype=dtype).reshape(shape), int(header["num_tokens"]))

@@ -1,0 +1,94 @@
+"""One exception hierarchy for disagg; each error knows its HTTP status and OpenAI error body.
+
+The frontends (orchestrator and reference worker) turn these into responses in one place;
+nothing else formats error bodies.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class DisaggError(Exception):
+    """Base of every error a client may see."""
+
+    status = 500
+    type = "internal_error"
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code if self.code is not None else self.status,
+            }
+        }
+
+
+class InvalidRequest(DisaggError):
+    status = 400
+    type = "invalid_request_error"
+
+
+class Unauthorized(DisaggError):
+    status = 401
+    type = "authentication_error"
+
+
+class NotFound(DisaggError):
+    status = 404
+    type = "not_found_error"
+
+
+class ModelNotFound(DisaggError):
+    status = 404
+    type = "invalid_request_error"
+
+    def __init__(self, model: str) -> None:
+        super().__init__(
+            f"The model `{model}` does not exist.", param="model", code="model_not_found"
+        )
+
+
+class PayloadTooLarge(DisaggError):
+    status = 413
+    type = "invalid_request_error"
+
+
+class UpstreamError(DisaggError):
+    """A worker answered with an error status; 4xx is kept, 5xx becomes 502."""
+
+    type = "upstream_error"
+
+    def __init__(self, worker_status: int, message: str, *, param: str | None = None) -> None:
+        super().__init__(message, param=param)
+        self.worker_status = worker_status
+        self.status = worker_status if 400 <= worker_status < 500 else 502
+        if self.status < 500:
+            self.type = "invalid_request_error"
+
+
+class WorkerUnavailable(DisaggError):
+    """A worker could not be reached or broke the connection."""
+
+    status = 502
+    type = "upstream_error"
+
+
+class ServiceUnavailable(DisaggError):
+    """No ready worker in a pool, or the server is shutting down."""
+
+    status = 503
+    type = "service_unavailable"
+
+
+class GatewayTimeout(DisaggError):
+    status = 504
+    type = "timeout"

@@ -1,0 +1,147 @@
+"""One request's journey: plan → context leg → generation leg → relay → finish.
+
+The orchestrator owns the request: it asks the policies for workers, sends each leg through
+upstream, and finishes every reservation exactly once on success, error and cancellation.
+It never formats HTTP responses (the server does) and never picks workers itself.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+
+from disagg.endpoints import ContextOutcome, Endpoint
+from disagg.errors import DisaggError
+from disagg.formats import DONE, sse_data
+from disagg.routing import Policy, Reservation, RouteRequest
+from disagg.upstream import UpstreamStream, WorkerClient
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Route:
+    """Where a request went; sent to the client as the `x-disagg-route` header."""
+
+    context: str | None = None
+    generation: str | None = None
+    cached_tokens: int = 0
+
+    def header(self) -> str:
+        ctx = self.context or "-"
+        gen = self.generation or "-"
+        return f"context={ctx}; generation={gen}; cached_tokens={self.cached_tokens}"
+
+
+@dataclass
+class Result:
+    """A whole answer (`body`) or a stream (`chunks`, which must be closed)."""
+
+    route: Route
+    body: dict[str, Any] | None = None
+    chunks: AsyncIterator[bytes] | None = None
+    close: Callable[[], None] = field(default=lambda: None)
+
+
+class Orchestrator:
+    def __init__(self, context_policy: Policy, generation_policy: Policy,
+                 client: WorkerClient) -> None:
+        self.context_policy, self.generation_policy = context_policy, generation_policy
+        self.client = client
+        # Unique across orchestrator restarts and replicas in practice: time-based high bits.
+        self._ids = itertools.count((int(time.time() * 1000) << 16) | (os.getpid() & 0xFFFF))
+
+    def next_id(self) -> int:
+        return next(self._ids) & 0x7FFF_FFFF_FFFF_FFFF
+
+    async def run(self, endpoint: Endpoint, body: dict[str, Any], model: str,
+                  stream: bool, include_usage: bool) -> Result:
+        request = RouteRequest(self.next_id(), model)
+        route = Route()
+        ctx_resp, ctx = await self._context_leg(endpoint, body, request, route)
+        if ctx.finished:
+            if stream:
+                chunks = endpoint.finished_stream(ctx_resp, ctx, include_usage)
+                return Result(route, chunks=_iterate(chunks))
+            return Result(route, body=endpoint.clean(ctx_resp, None))
+        return await self._generation_leg(endpoint, body, request, route, ctx, stream)
+
+    async def _context_leg(self, endpoint: Endpoint, body: dict[str, Any],
+                           request: RouteRequest, route: Route) -> tuple[dict[str, Any],
+                                                                         ContextOutcome]:
+        reservation = Reservation(self.context_policy, request)
+        route.context = reservation.worker.url
+        ok = False
+        try:
+            payload = endpoint.context_request(body, self.next_id())
+            resp = await self.client.post(reservation.worker.url, endpoint.path, payload)
+            ctx = endpoint.outcome(resp, endpoint.budget(body))
+            ok = True
+        finally:
+            reservation.finish(ok)
+        route.cached_tokens = int(
+            (ctx.usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0))
+        if not ctx.finished and not (ctx.prompt_token_ids and ctx.params.get(
+                "encoded_opaque_state")):
+            raise DisaggError("the context worker's answer lacks prompt_token_ids or"
+                              " disaggregated_params")
+        return resp, ctx
+
+    async def _generation_leg(self, endpoint: Endpoint, body: dict[str, Any],
+                              request: RouteRequest, route: Route, ctx: ContextOutcome,
+                              stream: bool) -> Result:
+        reservation = Reservation(self.generation_policy, request)
+        url = route.generation = reservation.worker.url
+        payload = endpoint.generation_request(body, ctx, self.next_id())
+        if not stream:
+            ok = False
+            try:
+                resp = await self.client.post(url, endpoint.path, payload)
+                ok = True
+            finally:
+                reservation.finish(ok)
+            return Result(route, body=endpoint.clean(resp, ctx))
+        try:
+            upstream = await self.client.open_stream(url, endpoint.path, payload)
+        except BaseException:
+            reservation.finish(False)
+            raise
+        relay = _Relay(upstream, reservation)
+        return Result(route, chunks=relay.chunks(), close=relay.close)
+
+
+class _Relay:
+    """Relays a worker's SSE bytes unchanged; finishes the reservation exactly once."""
+
+    def __init__(self, upstream: UpstreamStream, reservation: Reservation) -> None:
+        self.upstream, self.reservation = upstream, reservation
+        self.ok = False
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        try:
+            async for chunk in self.upstream.chunks():
+                yield chunk
+            self.ok = True
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            # Bytes may already be with the client: end the stream with an error event.
+            log.warning("generation stream from %s broke: %r", self.reservation.worker.url, exc)
+            err = DisaggError(f"generation worker stream failed: {type(exc).__name__}")
+            err.status, err.type = 502, "upstream_error"
+            yield sse_data(err.body())
+            yield DONE
+
+    def close(self) -> None:
+        self.upstream.close()
+        self.reservation.finish(self.ok)
+
+
+async def _iterate(chunks: list[bytes]) -> AsyncIterator[bytes]:
+    for chunk in chunks:
+        yield chunk

@@ -1,0 +1,63 @@
+"""Placement: the `Policy` protocol, reservations, and the table from config names to policies.
+
+Routing never does I/O: a policy looks at the pool's workers and their in-flight counts and
+picks one; the reservation it returns is finished exactly once.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Protocol
+
+from disagg.cluster import Pool, WorkerState
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RouteRequest:
+    """What a policy may look at when placing one leg."""
+
+    request_id: int
+    model: str
+    prompt_len: int = 0
+
+
+class Policy(Protocol):
+    pool: Pool
+
+    def pick(self, request: RouteRequest) -> WorkerState:
+        """Choose a ready worker and count the request in flight on it."""
+        ...
+
+    def finish(self, worker: WorkerState, request: RouteRequest, success: bool) -> None:
+        """The leg placed on `worker` is over."""
+        ...
+
+
+class Reservation:
+    """One placed leg; `finish` is idempotent so every exit path may call it."""
+
+    __slots__ = ("_done", "policy", "request", "worker")
+
+    def __init__(self, policy: Policy, request: RouteRequest) -> None:
+        self.policy, self.request = policy, request
+        self.worker = policy.pick(request)
+        self._done = False
+
+    def finish(self, success: bool) -> None:
+        if self._done:
+            return
+        self._done = True
+        self.policy.finish(self.worker, self.request, success)
+
+
+def make_policy(name: str, pool: Pool) -> Policy:
+    from disagg.routing.round_robin import RoundRobin
+
+    table: dict[str, type[RoundRobin]] = {"round_robin": RoundRobin}
+    if name not in table:
+        # Config validation accepts TRT-LLM's other router names; they arrive with issue 4.
+        log.warning("router type %r is not implemented yet; using round_robin", name)
+    return table.get(name, RoundRobin)(pool)

@@ -1,0 +1,26 @@
+"""Round robin over the pool's ready workers, with in-flight counts per worker."""
+
+from __future__ import annotations
+
+from disagg.cluster import Pool, WorkerState
+from disagg.errors import ServiceUnavailable
+from disagg.routing import RouteRequest
+
+
+class RoundRobin:
+    def __init__(self, pool: Pool) -> None:
+        self.pool = pool
+        self._next = 0
+
+    def pick(self, request: RouteRequest) -> WorkerState:
+        ready = self.pool.ready(request.model)
+        if not ready:
+            raise ServiceUnavailable(f"no ready {self.pool.role} worker for model"
+                                     f" `{request.model}`")
+        worker = ready[self._next % len(ready)]
+        self._next += 1
+        worker.in_flight += 1
+        return worker
+
+    def finish(self, worker: WorkerState, request: RouteRequest, success: bool) -> None:
+        worker.in_flight -= 1

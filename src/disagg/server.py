@@ -1,0 +1,137 @@
+"""The orchestrator's HTTP frontend: OpenAI routes, body limits, SSE responses, cluster views.
+
+It parses and validates the client's body, hands it to the orchestrator, and writes what
+comes back. Errors become OpenAI-style bodies in `disagg.http`; no placement happens here.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from disagg.cluster import Cluster, HealthMonitor, StaticDiscovery
+from disagg.config import ClusterConfig
+from disagg.endpoints import ENDPOINTS, Endpoint
+from disagg.errors import InvalidRequest, ModelNotFound, ServiceUnavailable
+from disagg.http import error_middleware, json_response
+from disagg.orchestrator import Orchestrator
+from disagg.protocol import decode_body, validate
+from disagg.routing import make_policy
+from disagg.upstream import WorkerClient
+
+log = logging.getLogger(__name__)
+
+# Fields only the orchestrator may set on a leg; a client can never drive the handoff.
+INTERNAL_FIELDS = ("disaggregated_params", "prompt_token_ids")
+
+
+class Frontend:
+    def __init__(self, config: ClusterConfig) -> None:
+        self.config = config
+        self.cluster = Cluster(StaticDiscovery(config.context.urls, config.generation.urls))
+        self.client = WorkerClient(config.request_timeout)
+        self.orchestrator = Orchestrator(
+            make_policy(config.context.router.type, self.cluster.context),
+            make_policy(config.generation.router.type, self.cluster.generation),
+            self.client,
+        )
+        self._health_session: aiohttp.ClientSession | None = None
+        self.monitor: HealthMonitor | None = None
+
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[error_middleware],
+                              client_max_size=self.config.max_request_body_bytes)
+        app.add_routes([
+            web.post("/v1/completions", self._endpoint("completions")),
+            web.post("/v1/chat/completions", self._endpoint("chat")),
+            web.post("/v1/responses", self._endpoint("responses")),
+            web.get("/v1/models", self.models),
+            web.get("/health", self.health),
+            web.get("/cluster_info", self.cluster_info),
+        ])
+        app.on_startup.append(self._start)
+        app.on_cleanup.append(self._stop)
+        return app
+
+    async def _start(self, _app: web.Application) -> None:
+        self._health_session = aiohttp.ClientSession()
+        self.monitor = HealthMonitor(self.cluster, self._health_session,
+                                     self.config.health_check_interval)
+        timeout = self.config.worker_startup_timeout
+        if timeout > 0 and not await self.monitor.wait_ready(timeout):
+            log.warning("not every pool has a ready worker after %.0f s; serving anyway and"
+                        " polling", timeout)
+        self.monitor.start()
+
+    async def _stop(self, _app: web.Application) -> None:
+        if self.monitor is not None:
+            await self.monitor.stop()
+        if self._health_session is not None:
+            await self._health_session.close()
+        await self.client.close()
+
+    async def health(self, _request: web.Request) -> web.Response:
+        if self.cluster.is_ready():
+            return json_response({"status": "ok"})
+        return json_response({"status": "unavailable",
+                              "message": "needs a ready context and generation worker"},
+                             status=503)
+
+    async def cluster_info(self, _request: web.Request) -> web.Response:
+        return json_response(self.cluster.describe())
+
+    async def models(self, _request: web.Request) -> web.Response:
+        data = [{"id": m, "object": "model", "created": 0, "owned_by": "disagg"}
+                for m in self.cluster.models()]
+        return json_response({"object": "list", "data": data})
+
+    def _endpoint(self, kind: str) -> Any:
+        endpoint = ENDPOINTS[kind]
+
+        async def handler(request: web.Request) -> web.StreamResponse:
+            return await self._handle(request, endpoint)
+
+        return handler
+
+    def _parse(self, raw: bytes, endpoint: Endpoint) -> tuple[dict[str, Any], Any]:
+        body = decode_body(raw)
+        for key in INTERNAL_FIELDS:
+            body.pop(key, None)
+        typed = validate(body, endpoint.request_type)
+        for key in endpoint.max_tokens_keys:
+            value = body.get(key)
+            if isinstance(value, int) and value > self.config.max_tokens_limit:
+                raise InvalidRequest(f"`{key}` must be at most {self.config.max_tokens_limit}",
+                                     param=key)
+            if value == 0:
+                raise InvalidRequest(f"`{key}` must be at least 1", param=key)
+        if not self.cluster.serves(typed.model):
+            if typed.model in self.cluster.models() or not self.cluster.models():
+                raise ServiceUnavailable("no ready context and generation worker for model"
+                                         f" `{typed.model}`")
+            raise ModelNotFound(typed.model)
+        return body, typed
+
+    async def _handle(self, request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
+        body, typed = self._parse(await request.read(), endpoint)
+        opts = getattr(typed, "stream_options", None)
+        include_usage = bool(opts and opts.include_usage) or endpoint.path == "/v1/responses"
+        result = await self.orchestrator.run(endpoint, body, typed.model, typed.stream,
+                                             include_usage)
+        headers = {"x-disagg-route": result.route.header()}
+        if result.body is not None:
+            return json_response(result.body, headers=headers)
+        assert result.chunks is not None
+        try:
+            resp = web.StreamResponse(headers={**headers, "Content-Type": "text/event-stream",
+                                               "Cache-Control": "no-cache"})
+            await resp.prepare(request)
+            async for chunk in result.chunks:
+                await resp.write(chunk)
+            await resp.write_eof()
+            return resp
+        finally:
+            result.close()

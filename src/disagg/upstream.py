@@ -1,0 +1,118 @@
+"""The client to workers: one pooled aiohttp session, msgpack request bodies, JSON answers
+and streamed SSE bytes relayed as they arrive.
+
+Upstream sends and receives; it never decides placement. Worker error statuses become
+`UpstreamError`, broken connections `WorkerUnavailable`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import msgspec
+
+from disagg.errors import DisaggError, GatewayTimeout, UpstreamError, WorkerUnavailable
+from disagg.protocol import encode_msgpack
+
+log = logging.getLogger(__name__)
+
+HEADERS = {"Content-Type": "application/json", "X-TRTLLM-Msgpack": "1"}
+
+
+def _worker_message(status: int, raw: bytes) -> str:
+    try:
+        data = msgspec.json.decode(raw)
+        err = data.get("error") if isinstance(data, dict) else None
+        if isinstance(err, dict) and err.get("message"):
+            return str(err["message"])
+        if isinstance(err, str):
+            return err
+    except msgspec.DecodeError:
+        pass
+    text = raw[:500].decode(errors="replace").strip()
+    return text or f"worker answered HTTP {status}"
+
+
+class UpstreamStream:
+    """An open streamed answer from a worker; iterate `chunks()`, then `close()`."""
+
+    def __init__(self, resp: aiohttp.ClientResponse) -> None:
+        self._resp = resp
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        async for chunk in self._resp.content.iter_any():
+            yield chunk
+
+    def close(self) -> None:
+        # close() (not release()) so an unfinished stream drops the connection, which tells
+        # the worker to abort the sequence.
+        if not self._resp.content.at_eof():
+            self._resp.close()
+        else:
+            self._resp.release()
+
+
+class WorkerClient:
+    def __init__(self, request_timeout_s: float, connect_timeout_s: float = 5.0) -> None:
+        self._timeout = aiohttp.ClientTimeout(total=request_timeout_s,
+                                              sock_connect=connect_timeout_s)
+        self._stream_timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout_s,
+                                                     sock_read=request_timeout_s)
+        self._session: aiohttp.ClientSession | None = None
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=30,
+                                             enable_cleanup_closed=True)
+            self._session = aiohttp.ClientSession(connector=connector, auto_decompress=False,
+                                                  skip_auto_headers=("User-Agent",))
+        return self._session
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def post(self, url: str, path: str, payload: dict[str, Any]) -> dict[str, Any]:
+        """POST a leg and return its JSON answer."""
+        try:
+            async with self.session.post(url + path, data=encode_msgpack(payload),
+                                         headers=HEADERS, timeout=self._timeout) as resp:
+                raw = await resp.read()
+                if resp.status != 200:
+                    raise UpstreamError(resp.status, _worker_message(resp.status, raw))
+            data = msgspec.json.decode(raw)
+        except DisaggError:
+            raise
+        except TimeoutError:
+            raise GatewayTimeout(f"worker {url} did not answer in time") from None
+        except aiohttp.ClientError as exc:
+            raise WorkerUnavailable(f"worker {url} failed: {type(exc).__name__}") from None
+        except msgspec.DecodeError:
+            raise WorkerUnavailable(f"worker {url} sent a malformed answer") from None
+        if not isinstance(data, dict):
+            raise WorkerUnavailable(f"worker {url} sent a malformed answer")
+        return data
+
+    async def open_stream(self, url: str, path: str, payload: dict[str, Any]) -> UpstreamStream:
+        """POST a streamed leg; returns once the worker accepted it (status 200)."""
+        try:
+            resp = await self.session.post(url + path, data=encode_msgpack(payload),
+                                           headers=HEADERS, timeout=self._stream_timeout)
+        except TimeoutError:
+            raise GatewayTimeout(f"worker {url} did not answer in time") from None
+        except aiohttp.ClientError as exc:
+            raise WorkerUnavailable(f"worker {url} failed: {type(exc).__name__}") from None
+        if resp.status != 200:
+            try:
+                raw = await resp.read()
+            except aiohttp.ClientError:
+                raw = b""
+            finally:
+                resp.release()
+            raise UpstreamError(resp.status, _worker_message(resp.status, raw))
+        return UpstreamStream(resp)

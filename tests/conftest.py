@@ -1,0 +1,147 @@
+"""Fixtures that start real disagg processes on loopback and stop them afterwards."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Procs:
+    procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
+
+    def start(self, *args: str) -> subprocess.Popen[bytes]:
+        cmd = [sys.executable, "-m", "disagg.cli", "--log-level", "warning", *args]
+        p = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
+        self.procs.append(p)
+        return p
+
+    def stop(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in self.procs:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
+def wait_healthy(url: str, procs: Procs, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for p in procs.procs:
+            assert p.poll() is None, f"{p.args} exited with {p.returncode}"
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise TimeoutError(f"{url} not healthy after {timeout_s} s")
+
+
+@dataclass
+class Cluster:
+    url: str
+    context_urls: list[str]
+    generation_urls: list[str]
+
+    @property
+    def worker_urls(self) -> list[str]:
+        return self.context_urls + self.generation_urls
+
+
+def start_cluster(procs: Procs, tmp: Path, n_ctx: int, n_gen: int, **extra: object) -> Cluster:
+    ctx = [free_port() for _ in range(n_ctx)]
+    gen = [free_port() for _ in range(n_gen)]
+    port = free_port()
+    for p in ctx:
+        procs.start("worker", "--role", "context", "--port", str(p))
+    for p in gen:
+        procs.start("worker", "--role", "generation", "--port", str(p))
+    config = {
+        "hostname": "127.0.0.1", "port": port,
+        "context_servers": {"num_instances": n_ctx, "urls": [f"127.0.0.1:{p}" for p in ctx]},
+        "generation_servers": {"num_instances": n_gen,
+                               "urls": [f"127.0.0.1:{p}" for p in gen]},
+        **extra,
+    }
+    path = tmp / f"cluster-{port}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    procs.start("serve", "--config", str(path))
+    cluster = Cluster(f"http://127.0.0.1:{port}", [f"http://127.0.0.1:{p}" for p in ctx],
+                      [f"http://127.0.0.1:{p}" for p in gen])
+    wait_healthy(cluster.url, procs)
+    return cluster
+
+
+@pytest.fixture(scope="session")
+def procs() -> Iterator[Procs]:
+    p = Procs()
+    try:
+        yield p
+    finally:
+        p.stop()
+
+
+@pytest.fixture(scope="session")
+def cluster(procs: Procs, tmp_path_factory: pytest.TempPathFactory) -> Cluster:
+    """1 context + 1 generation worker behind an orchestrator (the demo topology)."""
+    return start_cluster(procs, tmp_path_factory.mktemp("c1"), 1, 1)
+
+
+@pytest.fixture(scope="session")
+def cluster2(procs: Procs, tmp_path_factory: pytest.TempPathFactory) -> Cluster:
+    """2 context + 2 generation workers."""
+    return start_cluster(procs, tmp_path_factory.mktemp("c2"), 2, 2)
+
+
+@pytest.fixture(scope="session")
+def mixed_worker(procs: Procs) -> str:
+    """An aggregated (mixed) worker: the reference for disagg == aggregated."""
+    port = free_port()
+    procs.start("worker", "--role", "mixed", "--port", str(port))
+    url = f"http://127.0.0.1:{port}"
+    wait_healthy(url, procs)
+    return url
+
+
+def assert_no_leaks(cluster: Cluster, timeout_s: float = 5.0) -> None:
+    """In-flight counts back to 0 and no worker holds pinned or used KV blocks."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        info = httpx.get(cluster.url + "/cluster_info").json()
+        workers = info["context_servers"] + info["generation_servers"]
+        stats = [httpx.get(u + "/stats").json() for u in cluster.worker_urls]
+        in_flight = [w["in_flight"] for w in workers]
+        pinned = [s["pinned"] for s in stats]
+        used = [s["kv"]["used"] for s in stats]
+        running = [s["running"] + s["waiting"] for s in stats]
+        if not any(in_flight + pinned + used + running):
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"leak: in_flight={in_flight} pinned={pinned} used={used}"
+                                 f" running={running}")
+        time.sleep(0.05)
+
+
+os.environ.setdefault("OPENAI_API_KEY", "unused")
