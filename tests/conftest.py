@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -15,6 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
+from aiohttp import web
 
 
 def free_port() -> int:
@@ -79,17 +82,20 @@ def start_cluster(procs: Procs, tmp: Path, n_ctx: int, n_gen: int, **extra: obje
     for p in gen:
         procs.start("worker", "--role", "generation", "--port", str(p))
     config = {
-        "hostname": "127.0.0.1", "port": port,
+        "hostname": "127.0.0.1",
+        "port": port,
         "context_servers": {"num_instances": n_ctx, "urls": [f"127.0.0.1:{p}" for p in ctx]},
-        "generation_servers": {"num_instances": n_gen,
-                               "urls": [f"127.0.0.1:{p}" for p in gen]},
+        "generation_servers": {"num_instances": n_gen, "urls": [f"127.0.0.1:{p}" for p in gen]},
         **extra,
     }
     path = tmp / f"cluster-{port}.yaml"
     path.write_text(yaml.safe_dump(config))
     procs.start("serve", "--config", str(path))
-    cluster = Cluster(f"http://127.0.0.1:{port}", [f"http://127.0.0.1:{p}" for p in ctx],
-                      [f"http://127.0.0.1:{p}" for p in gen])
+    cluster = Cluster(
+        f"http://127.0.0.1:{port}",
+        [f"http://127.0.0.1:{p}" for p in ctx],
+        [f"http://127.0.0.1:{p}" for p in gen],
+    )
     wait_healthy(cluster.url, procs)
     return cluster
 
@@ -139,9 +145,55 @@ def assert_no_leaks(cluster: Cluster, timeout_s: float = 5.0) -> None:
         if not any(in_flight + pinned + used + running):
             return
         if time.monotonic() > deadline:
-            raise AssertionError(f"leak: in_flight={in_flight} pinned={pinned} used={used}"
-                                 f" running={running}")
+            raise AssertionError(
+                f"leak: in_flight={in_flight} pinned={pinned} used={used} running={running}"
+            )
         time.sleep(0.05)
+
+
+class BrokenWorker:
+    """A real HTTP server on loopback that looks healthy but fails every inference request
+    with a 500, run on its own thread; `with BrokenWorker() as url:`."""
+
+    def __init__(self) -> None:
+        self.port = free_port()
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.runner = web.AppRunner(self._app())
+
+    @staticmethod
+    def _app() -> web.Application:
+        async def health(_r: web.Request) -> web.Response:
+            return web.json_response({"status": "ok"})
+
+        async def models(_r: web.Request) -> web.Response:
+            return web.json_response({"object": "list", "data": [{"id": "tiny"}]})
+
+        async def fail(_r: web.Request) -> web.Response:
+            return web.json_response({"error": {"message": "engine exploded"}}, status=500)
+
+        app = web.Application()
+        app.add_routes([web.get("/health", health), web.get("/v1/models", models)])
+        app.add_routes(
+            [
+                web.post(p, fail)
+                for p in ("/v1/completions", "/v1/chat/completions", "/v1/responses")
+            ]
+        )
+        return app
+
+    def __enter__(self) -> str:
+        self.loop.run_until_complete(self.runner.setup())
+        site = web.TCPSite(self.runner, "127.0.0.1", self.port)
+        self.loop.run_until_complete(site.start())
+        self.thread.start()
+        return f"http://127.0.0.1:{self.port}"
+
+    def __exit__(self, *exc: object) -> None:
+        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+        self.loop.close()
 
 
 os.environ.setdefault("OPENAI_API_KEY", "unused")

@@ -21,9 +21,14 @@ def _worker(args: argparse.Namespace) -> int:
     model, tokenizer = model_from_name(args.model)
     name = args.served_model_name or ("tiny" if args.model == "tiny" else args.model)
     advertise = args.advertise_url or f"http://{_url_host(args.host)}:{args.port}"
-    settings = WorkerSettings(role=args.role, model_name=name, advertise_url=advertise,
-                              num_blocks=args.num_blocks, block_size=args.block_size,
-                              kv_lease_s=args.kv_lease)
+    settings = WorkerSettings(
+        role=args.role,
+        model_name=name,
+        advertise_url=advertise,
+        num_blocks=args.num_blocks,
+        block_size=args.block_size,
+        kv_lease_s=args.kv_lease,
+    )
     worker = Worker(model, tokenizer, settings)
     logging.getLogger("disagg").info("%s worker for %s on %s", args.role, name, advertise)
     run(serve(worker.app(), args.host, args.port))
@@ -50,8 +55,14 @@ def _serve(args: argparse.Namespace) -> int:
     port = args.port or config.port
     frontend = Frontend(config)
     log = logging.getLogger("disagg")
-    run(serve(frontend.app(), host, port,
-              ready=lambda: log.info("orchestrator listening on http://%s:%d", host, port)))
+    run(
+        serve(
+            frontend.app(),
+            host,
+            port,
+            ready=lambda: log.info("orchestrator listening on http://%s:%d", host, port),
+        )
+    )
     return 0
 
 
@@ -78,8 +89,9 @@ def _demo(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="disagg", description=__doc__)
     parser.add_argument("--version", action="version", version=f"disagg {__version__}")
-    parser.add_argument("--log-level", default="info",
-                        choices=["debug", "info", "warning", "error"])
+    parser.add_argument(
+        "--log-level", default="info", choices=["debug", "info", "warning", "error"]
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     w = sub.add_parser("worker", help="run a reference worker")
@@ -88,12 +100,17 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--port", type=int, required=True)
     w.add_argument("--model", default="tiny", help="'tiny' or a local Hugging Face directory")
     w.add_argument("--served-model-name", default=None)
-    w.add_argument("--advertise-url", default=None,
-                   help="URL other workers use to fetch KV from this one")
+    w.add_argument(
+        "--advertise-url", default=None, help="URL other workers use to fetch KV from this one"
+    )
     w.add_argument("--num-blocks", type=int, default=1024)
     w.add_argument("--block-size", type=int, default=16)
-    w.add_argument("--kv-lease", type=float, default=30.0,
-                   help="seconds pinned context KV waits for its generation leg")
+    w.add_argument(
+        "--kv-lease",
+        type=float,
+        default=30.0,
+        help="seconds pinned context KV waits for its generation leg",
+    )
     w.set_defaults(func=_worker)
 
     s = sub.add_parser("serve", help="run the orchestrator")
@@ -116,8 +133,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
     return int(args.func(args))
 
 

@@ -31,9 +31,14 @@ class WorkerState:
     last_seen: float = 0.0
 
     def describe(self) -> dict[str, Any]:
-        return {"url": self.url, "role": self.role, "ready": self.ready,
-                "in_flight": self.in_flight, "models": list(self.models),
-                "last_error": self.last_error}
+        return {
+            "url": self.url,
+            "role": self.role,
+            "ready": self.ready,
+            "in_flight": self.in_flight,
+            "models": list(self.models),
+            "last_error": self.last_error,
+        }
 
 
 @dataclass(eq=False)
@@ -42,8 +47,11 @@ class Pool:
     workers: list[WorkerState] = field(default_factory=list)
 
     def ready(self, model: str | None = None) -> list[WorkerState]:
-        return [w for w in self.workers
-                if w.ready and (model is None or not w.models or model in w.models)]
+        return [
+            w
+            for w in self.workers
+            if w.ready and (model is None or not w.models or model in w.models)
+        ]
 
 
 class Discovery(Protocol):
@@ -61,7 +69,8 @@ class StaticDiscovery:
 
     def members(self) -> Sequence[tuple[str, str]]:
         return [("context", u) for u in self.context_urls] + [
-            ("generation", u) for u in self.generation_urls]
+            ("generation", u) for u in self.generation_urls
+        ]
 
 
 class Cluster:
@@ -91,16 +100,23 @@ class Cluster:
         return bool(self.context.ready(model) and self.generation.ready(model))
 
     def describe(self) -> dict[str, Any]:
-        return {"ready": self.is_ready(),
-                "context_servers": [w.describe() for w in self.context.workers],
-                "generation_servers": [w.describe() for w in self.generation.workers]}
+        return {
+            "ready": self.is_ready(),
+            "context_servers": [w.describe() for w in self.context.workers],
+            "generation_servers": [w.describe() for w in self.generation.workers],
+        }
 
 
 class HealthMonitor:
     """Polls each worker's /health (and /v1/models when it turns ready)."""
 
-    def __init__(self, cluster: Cluster, session: aiohttp.ClientSession, interval_s: float,
-                 timeout_s: float = 2.0) -> None:
+    def __init__(
+        self,
+        cluster: Cluster,
+        session: aiohttp.ClientSession,
+        interval_s: float,
+        timeout_s: float = 2.0,
+    ) -> None:
         self.cluster, self.session = cluster, session
         self.interval_s, self.timeout = interval_s, aiohttp.ClientTimeout(total=timeout_s)
         self._task: asyncio.Task[None] | None = None

@@ -53,7 +53,7 @@ class Processes:
     def check_alive(self) -> None:
         for p in self.procs:
             if p.poll() is not None:
-                raise RuntimeError(f"{' '.join(map(str, p.args))} exited with {p.returncode}")
+                raise RuntimeError(f"{p.args!r} exited with {p.returncode}")
 
 
 async def _wait_healthy(url: str, procs: Processes, timeout_s: float = 60) -> None:
@@ -70,12 +70,18 @@ async def _wait_healthy(url: str, procs: Processes, timeout_s: float = 60) -> No
 
 
 async def _chat(url: str, prompt: str, max_tokens: int) -> tuple[str, str]:
-    body = {"model": "tiny", "messages": [{"role": "user", "content": prompt}],
-            "max_tokens": max_tokens, "temperature": 0, "stream": True}
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+    }
     text: list[str] = []
-    async with aiohttp.ClientSession() as session, session.post(
-        url + "/v1/chat/completions", json=body
-    ) as resp:
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(url + "/v1/chat/completions", json=body) as resp,
+    ):
         if resp.status != 200:
             raise RuntimeError(f"request failed: {resp.status} {await resp.text()}")
         route = resp.headers.get("x-disagg-route", "")
@@ -95,11 +101,16 @@ def run_demo(*, once: bool, prompt: str, max_tokens: int) -> int:
     procs = Processes()
     with tempfile.TemporaryDirectory(prefix="disagg-demo-") as tmp:
         config = Path(tmp) / "cluster.yaml"
-        config.write_text(yaml.safe_dump({
-            "hostname": "127.0.0.1", "port": port,
-            "context_servers": {"num_instances": 1, "urls": [f"127.0.0.1:{ctx_port}"]},
-            "generation_servers": {"num_instances": 1, "urls": [f"127.0.0.1:{gen_port}"]},
-        }))
+        config.write_text(
+            yaml.safe_dump(
+                {
+                    "hostname": "127.0.0.1",
+                    "port": port,
+                    "context_servers": {"num_instances": 1, "urls": [f"127.0.0.1:{ctx_port}"]},
+                    "generation_servers": {"num_instances": 1, "urls": [f"127.0.0.1:{gen_port}"]},
+                }
+            )
+        )
         try:
             procs.start("worker", "--role", "context", "--port", str(ctx_port))
             procs.start("worker", "--role", "generation", "--port", str(gen_port))
@@ -125,10 +136,12 @@ async def _session(url: str, procs: Processes, once: bool, prompt: str, max_toke
     print(f"route: {route}")
     if once:
         return 0
-    print(f"\nServing on {url} (Ctrl-C stops every process). Try:\n"
-          f"  curl -s {url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
-          "    -d '{\"model\": \"tiny\", \"messages\": [{\"role\": \"user\", \"content\":"
-          " \"Hello\"}], \"max_tokens\": 32}'")
+    print(
+        f"\nServing on {url} (Ctrl-C stops every process). Try:\n"
+        f"  curl -s {url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
+        '    -d \'{"model": "tiny", "messages": [{"role": "user", "content":'
+        ' "Hello"}], "max_tokens": 32}\''
+    )
     while True:
         await asyncio.sleep(1)
         procs.check_alive()

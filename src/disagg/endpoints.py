@@ -38,19 +38,22 @@ class ContextOutcome:
 
 class Endpoint:
     path: ClassVar[str]
-    request_type: ClassVar[type]
+    request_type: ClassVar[type[Any]]
     shape_type: ClassVar[type]
     max_tokens_keys: ClassVar[tuple[str, ...]] = ("max_tokens",)
 
     def context_request(self, body: dict[str, Any], disagg_id: int) -> dict[str, Any]:
         req = {k: v for k, v in body.items() if k != "stream_options"}
         req["stream"] = False
-        req["disaggregated_params"] = {"request_type": "context_only",
-                                       "disagg_request_id": disagg_id}
+        req["disaggregated_params"] = {
+            "request_type": "context_only",
+            "disagg_request_id": disagg_id,
+        }
         return req
 
-    def generation_request(self, body: dict[str, Any], ctx: ContextOutcome,
-                           disagg_id: int) -> dict[str, Any]:
+    def generation_request(
+        self, body: dict[str, Any], ctx: ContextOutcome, disagg_id: int
+    ) -> dict[str, Any]:
         req = dict(body)
         self._set_prompt(req, ctx.prompt_token_ids)
         p = ctx.params
@@ -106,15 +109,17 @@ class Endpoint:
         shape: Shape = self.shape_type(rid, str(resp.get("model", "")), resp.get("created"))
         return shape
 
-    def finished_stream(self, resp: dict[str, Any], ctx: ContextOutcome,
-                        include_usage: bool) -> list[bytes]:
+    def finished_stream(
+        self, resp: dict[str, Any], ctx: ContextOutcome, include_usage: bool
+    ) -> list[bytes]:
         """A finished context answer as the stream the client asked for."""
         shape = self.shape(resp)
         out = shape.stream_start()
         if ctx.text:
             out.append(shape.stream_delta(ctx.text))
-        out += shape.stream_end(ctx.text, ctx.finish_reason,
-                                _merged(ctx.usage, None) if include_usage else None)
+        out += shape.stream_end(
+            ctx.text, ctx.finish_reason, _merged(ctx.usage, None) if include_usage else None
+        )
         out.append(DONE)
         return out
 
@@ -122,8 +127,11 @@ class Endpoint:
 def _merged(ctx_usage: dict[str, Any], completion_tokens: int | None) -> dict[str, Any]:
     prompt = int(ctx_usage.get("prompt_tokens", 0))
     cached = int((ctx_usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0))
-    done = int(ctx_usage.get("completion_tokens", 0)) if completion_tokens is None else (
-        completion_tokens)
+    done = (
+        int(ctx_usage.get("completion_tokens", 0))
+        if completion_tokens is None
+        else (completion_tokens)
+    )
     return make_usage(prompt, done, cached)
 
 
@@ -160,18 +168,25 @@ class Responses(Endpoint):
     def outcome(self, resp: dict[str, Any], budget: int | None) -> ContextOutcome:
         status = resp.get("status")
         reason = (resp.get("incomplete_details") or {}).get("reason")
-        finish = "not_finished" if status == "in_progress" else (
-            "length" if reason == "max_output_tokens" else "stop")
+        finish = (
+            "not_finished"
+            if status == "in_progress"
+            else ("length" if reason == "max_output_tokens" else "stop")
+        )
         u = resp.get("usage") or {}
         cached = (u.get("input_tokens_details") or {}).get("cached_tokens", 0)
         return ContextOutcome(
             finished=_finished(finish, int(u.get("output_tokens", 1)), budget),
             params=resp.get("disaggregated_params") or {},
             prompt_token_ids=list(resp.get("prompt_token_ids") or []),
-            usage=make_usage(int(u.get("input_tokens", 0)), int(u.get("output_tokens", 0)),
-                             int(cached)),
-            text="".join(part.get("text", "") for item in resp.get("output") or ()
-                         for part in item.get("content") or ()),
+            usage=make_usage(
+                int(u.get("input_tokens", 0)), int(u.get("output_tokens", 0)), int(cached)
+            ),
+            text="".join(
+                part.get("text", "")
+                for item in resp.get("output") or ()
+                for part in item.get("content") or ()
+            ),
             finish_reason=finish,
         )
 
@@ -184,13 +199,18 @@ class Responses(Endpoint):
             u["input_tokens"] = p["prompt_tokens"]
             u["total_tokens"] = p["prompt_tokens"] + int(u.get("output_tokens", 0))
             u["input_tokens_details"] = {
-                "cached_tokens": (p.get("prompt_tokens_details") or {}).get("cached_tokens", 0)}
+                "cached_tokens": (p.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+            }
         return resp
 
     def shape(self, resp: dict[str, Any]) -> Shape:
-        return ResponsesShape(str(resp.get("id") or ""), str(resp.get("model", "")),
-                              resp.get("created_at"))
+        return ResponsesShape(
+            str(resp.get("id") or ""), str(resp.get("model", "")), resp.get("created_at")
+        )
 
 
-ENDPOINTS: dict[str, Endpoint] = {"completions": Completions(), "chat": Chat(),
-                                  "responses": Responses()}
+ENDPOINTS: dict[str, Endpoint] = {
+    "completions": Completions(),
+    "chat": Chat(),
+    "responses": Responses(),
+}

@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import logging
 import signal
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 import msgspec
@@ -25,10 +25,12 @@ _json = msgspec.json.Encoder()
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
-def json_response(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> (
-        web.Response):
-    return web.Response(body=_json.encode(obj), status=status, headers=headers,
-                        content_type="application/json")
+def json_response(
+    obj: Any, status: int = 200, headers: dict[str, str] | None = None
+) -> web.Response:
+    return web.Response(
+        body=_json.encode(obj), status=status, headers=headers, content_type="application/json"
+    )
 
 
 def error_response(exc: DisaggError) -> web.Response:
@@ -60,8 +62,9 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         return error_response(DisaggError("Internal server error"))
 
 
-async def serve(app: web.Application, host: str, port: int,
-                ready: Callable[[], None] | None = None) -> None:
+async def serve(
+    app: web.Application, host: str, port: int, ready: Callable[[], None] | None = None
+) -> None:
     """Serve `app` until SIGINT/SIGTERM or cancellation, then clean up."""
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
@@ -80,11 +83,11 @@ async def serve(app: web.Application, host: str, port: int,
         await runner.cleanup()
 
 
-def run(main: Awaitable[None]) -> None:
+def run(main: Coroutine[Any, Any, None]) -> None:
     """Run a coroutine on uvloop when available."""
     try:
         import uvloop
     except ImportError:  # pragma: no cover - uvloop is a dependency on every supported OS
-        asyncio.run(main)  # type: ignore[arg-type]
+        asyncio.run(main)
         return
     uvloop.run(main)

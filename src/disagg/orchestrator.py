@@ -7,6 +7,7 @@ It never formats HTTP responses (the server does) and never picks workers itself
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 import os
@@ -51,8 +52,9 @@ class Result:
 
 
 class Orchestrator:
-    def __init__(self, context_policy: Policy, generation_policy: Policy,
-                 client: WorkerClient) -> None:
+    def __init__(
+        self, context_policy: Policy, generation_policy: Policy, client: WorkerClient
+    ) -> None:
         self.context_policy, self.generation_policy = context_policy, generation_policy
         self.client = client
         # Unique across orchestrator restarts and replicas in practice: time-based high bits.
@@ -61,8 +63,14 @@ class Orchestrator:
     def next_id(self) -> int:
         return next(self._ids) & 0x7FFF_FFFF_FFFF_FFFF
 
-    async def run(self, endpoint: Endpoint, body: dict[str, Any], model: str,
-                  stream: bool, include_usage: bool) -> Result:
+    async def run(
+        self,
+        endpoint: Endpoint,
+        body: dict[str, Any],
+        model: str,
+        stream: bool,
+        include_usage: bool,
+    ) -> Result:
         request = RouteRequest(self.next_id(), model)
         route = Route()
         ctx_resp, ctx = await self._context_leg(endpoint, body, request, route)
@@ -73,9 +81,9 @@ class Orchestrator:
             return Result(route, body=endpoint.clean(ctx_resp, None))
         return await self._generation_leg(endpoint, body, request, route, ctx, stream)
 
-    async def _context_leg(self, endpoint: Endpoint, body: dict[str, Any],
-                           request: RouteRequest, route: Route) -> tuple[dict[str, Any],
-                                                                         ContextOutcome]:
+    async def _context_leg(
+        self, endpoint: Endpoint, body: dict[str, Any], request: RouteRequest, route: Route
+    ) -> tuple[dict[str, Any], ContextOutcome]:
         reservation = Reservation(self.context_policy, request)
         route.context = reservation.worker.url
         ok = False
@@ -87,34 +95,52 @@ class Orchestrator:
         finally:
             reservation.finish(ok)
         route.cached_tokens = int(
-            (ctx.usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0))
-        if not ctx.finished and not (ctx.prompt_token_ids and ctx.params.get(
-                "encoded_opaque_state")):
-            raise DisaggError("the context worker's answer lacks prompt_token_ids or"
-                              " disaggregated_params")
+            (ctx.usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+        )
+        if not ctx.finished and not (
+            ctx.prompt_token_ids and ctx.params.get("encoded_opaque_state")
+        ):
+            raise DisaggError(
+                "the context worker's answer lacks prompt_token_ids or disaggregated_params"
+            )
         return resp, ctx
 
-    async def _generation_leg(self, endpoint: Endpoint, body: dict[str, Any],
-                              request: RouteRequest, route: Route, ctx: ContextOutcome,
-                              stream: bool) -> Result:
-        reservation = Reservation(self.generation_policy, request)
+    async def _generation_leg(
+        self,
+        endpoint: Endpoint,
+        body: dict[str, Any],
+        request: RouteRequest,
+        route: Route,
+        ctx: ContextOutcome,
+        stream: bool,
+    ) -> Result:
+        try:
+            reservation = Reservation(self.generation_policy, request)
+        except BaseException:
+            await self._release_context_kv(route, ctx)
+            raise
         url = route.generation = reservation.worker.url
         payload = endpoint.generation_request(body, ctx, self.next_id())
-        if not stream:
-            ok = False
-            try:
-                resp = await self.client.post(url, endpoint.path, payload)
-                ok = True
-            finally:
-                reservation.finish(ok)
-            return Result(route, body=endpoint.clean(resp, ctx))
         try:
-            upstream = await self.client.open_stream(url, endpoint.path, payload)
+            if stream:
+                upstream = await self.client.open_stream(url, endpoint.path, payload)
+            else:
+                resp = await self.client.post(url, endpoint.path, payload)
+                reservation.finish(True)
+                return Result(route, body=endpoint.clean(resp, ctx))
         except BaseException:
             reservation.finish(False)
+            await self._release_context_kv(route, ctx)
             raise
         relay = _Relay(upstream, reservation)
         return Result(route, chunks=relay.chunks(), close=relay.close)
+
+    async def _release_context_kv(self, route: Route, ctx: ContextOutcome) -> None:
+        """The generation leg failed: free the context worker's pinned KV now, not at lease
+        expiry (a no-op when the generation worker already fetched it)."""
+        rid = ctx.params.get("ctx_request_id")
+        if route.context is not None and isinstance(rid, int):
+            await asyncio.shield(self.client.release_kv(route.context, rid))
 
 
 class _Relay:

@@ -42,28 +42,34 @@ class Frontend:
         self.monitor: HealthMonitor | None = None
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[error_middleware],
-                              client_max_size=self.config.max_request_body_bytes)
-        app.add_routes([
-            web.post("/v1/completions", self._endpoint("completions")),
-            web.post("/v1/chat/completions", self._endpoint("chat")),
-            web.post("/v1/responses", self._endpoint("responses")),
-            web.get("/v1/models", self.models),
-            web.get("/health", self.health),
-            web.get("/cluster_info", self.cluster_info),
-        ])
+        app = web.Application(
+            middlewares=[error_middleware], client_max_size=self.config.max_request_body_bytes
+        )
+        app.add_routes(
+            [
+                web.post("/v1/completions", self._endpoint("completions")),
+                web.post("/v1/chat/completions", self._endpoint("chat")),
+                web.post("/v1/responses", self._endpoint("responses")),
+                web.get("/v1/models", self.models),
+                web.get("/health", self.health),
+                web.get("/cluster_info", self.cluster_info),
+            ]
+        )
         app.on_startup.append(self._start)
         app.on_cleanup.append(self._stop)
         return app
 
     async def _start(self, _app: web.Application) -> None:
         self._health_session = aiohttp.ClientSession()
-        self.monitor = HealthMonitor(self.cluster, self._health_session,
-                                     self.config.health_check_interval)
+        self.monitor = HealthMonitor(
+            self.cluster, self._health_session, self.config.health_check_interval
+        )
         timeout = self.config.worker_startup_timeout
         if timeout > 0 and not await self.monitor.wait_ready(timeout):
-            log.warning("not every pool has a ready worker after %.0f s; serving anyway and"
-                        " polling", timeout)
+            log.warning(
+                "not every pool has a ready worker after %.0f s; serving anyway and polling",
+                timeout,
+            )
         self.monitor.start()
 
     async def _stop(self, _app: web.Application) -> None:
@@ -76,16 +82,19 @@ class Frontend:
     async def health(self, _request: web.Request) -> web.Response:
         if self.cluster.is_ready():
             return json_response({"status": "ok"})
-        return json_response({"status": "unavailable",
-                              "message": "needs a ready context and generation worker"},
-                             status=503)
+        return json_response(
+            {"status": "unavailable", "message": "needs a ready context and generation worker"},
+            status=503,
+        )
 
     async def cluster_info(self, _request: web.Request) -> web.Response:
         return json_response(self.cluster.describe())
 
     async def models(self, _request: web.Request) -> web.Response:
-        data = [{"id": m, "object": "model", "created": 0, "owned_by": "disagg"}
-                for m in self.cluster.models()]
+        data = [
+            {"id": m, "object": "model", "created": 0, "owned_by": "disagg"}
+            for m in self.cluster.models()
+        ]
         return json_response({"object": "list", "data": data})
 
     def _endpoint(self, kind: str) -> Any:
@@ -100,18 +109,20 @@ class Frontend:
         body = decode_body(raw)
         for key in INTERNAL_FIELDS:
             body.pop(key, None)
-        typed = validate(body, endpoint.request_type)
+        typed: Any = validate(body, endpoint.request_type)
         for key in endpoint.max_tokens_keys:
             value = body.get(key)
             if isinstance(value, int) and value > self.config.max_tokens_limit:
-                raise InvalidRequest(f"`{key}` must be at most {self.config.max_tokens_limit}",
-                                     param=key)
+                raise InvalidRequest(
+                    f"`{key}` must be at most {self.config.max_tokens_limit}", param=key
+                )
             if value == 0:
                 raise InvalidRequest(f"`{key}` must be at least 1", param=key)
         if not self.cluster.serves(typed.model):
             if typed.model in self.cluster.models() or not self.cluster.models():
-                raise ServiceUnavailable("no ready context and generation worker for model"
-                                         f" `{typed.model}`")
+                raise ServiceUnavailable(
+                    f"no ready context and generation worker for model `{typed.model}`"
+                )
             raise ModelNotFound(typed.model)
         return body, typed
 
@@ -119,15 +130,21 @@ class Frontend:
         body, typed = self._parse(await request.read(), endpoint)
         opts = getattr(typed, "stream_options", None)
         include_usage = bool(opts and opts.include_usage) or endpoint.path == "/v1/responses"
-        result = await self.orchestrator.run(endpoint, body, typed.model, typed.stream,
-                                             include_usage)
+        result = await self.orchestrator.run(
+            endpoint, body, typed.model, typed.stream, include_usage
+        )
         headers = {"x-disagg-route": result.route.header()}
         if result.body is not None:
             return json_response(result.body, headers=headers)
         assert result.chunks is not None
         try:
-            resp = web.StreamResponse(headers={**headers, "Content-Type": "text/event-stream",
-                                               "Cache-Control": "no-cache"})
+            resp = web.StreamResponse(
+                headers={
+                    **headers,
+                    "Content-Type": "text/event-stream",
+                    "Cache-Control": "no-cache",
+                }
+            )
             await resp.prepare(request)
             async for chunk in result.chunks:
                 await resp.write(chunk)

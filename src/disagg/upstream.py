@@ -57,19 +57,24 @@ class UpstreamStream:
 
 class WorkerClient:
     def __init__(self, request_timeout_s: float, connect_timeout_s: float = 5.0) -> None:
-        self._timeout = aiohttp.ClientTimeout(total=request_timeout_s,
-                                              sock_connect=connect_timeout_s)
-        self._stream_timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout_s,
-                                                     sock_read=request_timeout_s)
+        self._timeout = aiohttp.ClientTimeout(
+            total=request_timeout_s, sock_connect=connect_timeout_s
+        )
+        self._stream_timeout = aiohttp.ClientTimeout(
+            total=None, sock_connect=connect_timeout_s, sock_read=request_timeout_s
+        )
+        self._release_timeout = aiohttp.ClientTimeout(total=connect_timeout_s)
         self._session: aiohttp.ClientSession | None = None
 
     @property
     def session(self) -> aiohttp.ClientSession:
         if self._session is None:
-            connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=30,
-                                             enable_cleanup_closed=True)
-            self._session = aiohttp.ClientSession(connector=connector, auto_decompress=False,
-                                                  skip_auto_headers=("User-Agent",))
+            connector = aiohttp.TCPConnector(
+                limit=0, keepalive_timeout=30, enable_cleanup_closed=True
+            )
+            self._session = aiohttp.ClientSession(
+                connector=connector, auto_decompress=False, skip_auto_headers=("User-Agent",)
+            )
         return self._session
 
     async def close(self) -> None:
@@ -80,8 +85,9 @@ class WorkerClient:
     async def post(self, url: str, path: str, payload: dict[str, Any]) -> dict[str, Any]:
         """POST a leg and return its JSON answer."""
         try:
-            async with self.session.post(url + path, data=encode_msgpack(payload),
-                                         headers=HEADERS, timeout=self._timeout) as resp:
+            async with self.session.post(
+                url + path, data=encode_msgpack(payload), headers=HEADERS, timeout=self._timeout
+            ) as resp:
                 raw = await resp.read()
                 if resp.status != 200:
                     raise UpstreamError(resp.status, _worker_message(resp.status, raw))
@@ -101,8 +107,12 @@ class WorkerClient:
     async def open_stream(self, url: str, path: str, payload: dict[str, Any]) -> UpstreamStream:
         """POST a streamed leg; returns once the worker accepted it (status 200)."""
         try:
-            resp = await self.session.post(url + path, data=encode_msgpack(payload),
-                                           headers=HEADERS, timeout=self._stream_timeout)
+            resp = await self.session.post(
+                url + path,
+                data=encode_msgpack(payload),
+                headers=HEADERS,
+                timeout=self._stream_timeout,
+            )
         except TimeoutError:
             raise GatewayTimeout(f"worker {url} did not answer in time") from None
         except aiohttp.ClientError as exc:
@@ -116,3 +126,16 @@ class WorkerClient:
                 resp.release()
             raise UpstreamError(resp.status, _worker_message(resp.status, raw))
         return UpstreamStream(resp)
+
+    async def release_kv(self, url: str, ctx_request_id: int) -> None:
+        """Best effort: ask a context worker to drop pinned KV (workers without the endpoint
+        free it at lease expiry)."""
+        try:
+            async with self.session.post(
+                url + "/kv/release",
+                json={"ctx_request_id": ctx_request_id},
+                timeout=self._release_timeout,
+            ) as resp:
+                await resp.read()
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            log.warning("could not release KV %d on %s: %r", ctx_request_id, url, exc)

@@ -6,9 +6,8 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from aiohttp import web
 
-from tests.conftest import Cluster, Procs, assert_no_leaks, start_cluster
+from tests.conftest import BrokenWorker, Cluster, Procs, assert_no_leaks, start_cluster
 
 BAD = [
     # (path, raw body, status, param)
@@ -18,33 +17,36 @@ BAD = [
     ("/v1/completions", b'{"model": "tiny"}', 400, "prompt"),
     ("/v1/completions", b'{"model": "tiny", "prompt": 5}', 400, "prompt"),
     ("/v1/completions", b'{"model": "tiny", "prompt": []}', 400, "prompt"),
-    ("/v1/completions", b'{"model": "tiny", "prompt": "x", "max_tokens": -1}', 400,
-     "max_tokens"),
-    ("/v1/completions", b'{"model": "tiny", "prompt": "x", "max_tokens": "9"}', 400,
-     "max_tokens"),
-    ("/v1/completions", b'{"model": "tiny", "prompt": "x", "max_tokens": 1e30}', 400,
-     "max_tokens"),
-    ("/v1/completions", b'{"model": "tiny", "prompt": "x", "max_tokens": 99999999999}', 400,
-     "max_tokens"),
-    ("/v1/completions", b'{"model": "tiny", "prompt": "x", "temperature": -1}', 400,
-     "temperature"),
+    ("/v1/completions", b'{"model": "tiny", "prompt": "x", "max_tokens": -1}', 400, "max_tokens"),
+    ("/v1/completions", b'{"model": "tiny", "prompt": "x", "max_tokens": "9"}', 400, "max_tokens"),
+    ("/v1/completions", b'{"model": "tiny", "prompt": "x", "max_tokens": 1e30}', 400, "max_tokens"),
+    (
+        "/v1/completions",
+        b'{"model": "tiny", "prompt": "x", "max_tokens": 99999999999}',
+        400,
+        "max_tokens",
+    ),
+    ("/v1/completions", b'{"model": "tiny", "prompt": "x", "temperature": -1}', 400, "temperature"),
     ("/v1/completions", b'{"model": "nope", "prompt": "x"}', 404, "model"),
     ("/v1/chat/completions", b'{"model": "tiny"}', 400, "messages"),
     ("/v1/chat/completions", b'{"model": "tiny", "messages": []}', 400, "messages"),
-    ("/v1/chat/completions", b'{"model": "tiny", "messages": [{"content": "x"}]}', 400,
-     "messages"),
+    ("/v1/chat/completions", b'{"model": "tiny", "messages": [{"content": "x"}]}', 400, "messages"),
     ("/v1/chat/completions", b'{"model": "tiny", "messages": "hi"}', 400, "messages"),
     ("/v1/responses", b'{"model": "tiny"}', 400, "input"),
-    ("/v1/responses", b'{"model": "tiny", "input": "x", "max_output_tokens": -5}', 400,
-     "max_output_tokens"),
+    (
+        "/v1/responses",
+        b'{"model": "tiny", "input": "x", "max_output_tokens": -5}',
+        400,
+        "max_output_tokens",
+    ),
 ]
 
 
 @pytest.mark.parametrize(("path", "body", "status", "param"), BAD)
-def test_bad_request(cluster: Cluster, path: str, body: bytes, status: int,
-                     param: str | None) -> None:
-    r = httpx.post(cluster.url + path, content=body,
-                   headers={"Content-Type": "application/json"})
+def test_bad_request(
+    cluster: Cluster, path: str, body: bytes, status: int, param: str | None
+) -> None:
+    r = httpx.post(cluster.url + path, content=body, headers={"Content-Type": "application/json"})
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert set(err) >= {"message", "type", "param", "code"}
@@ -56,8 +58,12 @@ def test_bad_request(cluster: Cluster, path: str, body: bytes, status: int,
 
 def test_body_too_large(cluster: Cluster) -> None:
     big = b'{"model": "tiny", "prompt": "' + b"x" * (11 * 1024 * 1024) + b'"}'
-    r = httpx.post(cluster.url + "/v1/completions", content=big, timeout=60,
-                   headers={"Content-Type": "application/json"})
+    r = httpx.post(
+        cluster.url + "/v1/completions",
+        content=big,
+        timeout=60,
+        headers={"Content-Type": "application/json"},
+    )
     assert r.status_code == 413
     assert r.json()["error"]["type"] == "invalid_request_error"
 
@@ -72,22 +78,39 @@ def test_unknown_route_and_method(cluster: Cluster) -> None:
 @pytest.mark.parametrize("stream", [False, True])
 def test_worker_4xx_reaches_client(cluster: Cluster, stream: bool) -> None:
     # n=2 and over-long prompts are refused by the worker itself; status and message kept.
-    r = httpx.post(cluster.url + "/v1/completions", timeout=60, json={
-        "model": "tiny", "prompt": "x", "n": 2, "stream": stream})
+    r = httpx.post(
+        cluster.url + "/v1/completions",
+        timeout=60,
+        json={"model": "tiny", "prompt": "x", "n": 2, "stream": stream},
+    )
     assert r.status_code == 400
     assert "n=1" in r.json()["error"]["message"]
-    r = httpx.post(cluster.url + "/v1/completions", timeout=60, json={
-        "model": "tiny", "prompt": "x" * 5000, "max_tokens": 4, "stream": stream})
+    r = httpx.post(
+        cluster.url + "/v1/completions",
+        timeout=60,
+        json={"model": "tiny", "prompt": "x" * 5000, "max_tokens": 4, "stream": stream},
+    )
     assert r.status_code == 400
     assert "limit" in r.json()["error"]["message"]
     assert_no_leaks(cluster)
 
 
 def test_client_disaggregated_params_are_stripped(cluster: Cluster) -> None:
-    r = httpx.post(cluster.url + "/v1/completions", timeout=60, json={
-        "model": "tiny", "prompt": "x", "max_tokens": 3,
-        "disaggregated_params": {"request_type": "generation_only", "ctx_request_id": 1,
-                                 "encoded_opaque_state": "AAAA", "first_gen_tokens": [65]}})
+    r = httpx.post(
+        cluster.url + "/v1/completions",
+        timeout=60,
+        json={
+            "model": "tiny",
+            "prompt": "x",
+            "max_tokens": 3,
+            "disaggregated_params": {
+                "request_type": "generation_only",
+                "ctx_request_id": 1,
+                "encoded_opaque_state": "AAAA",
+                "first_gen_tokens": [65],
+            },
+        },
+    )
     assert r.status_code == 200
     assert "disaggregated_params" not in r.json()["choices"][0]
     assert_no_leaks(cluster)
@@ -96,54 +119,26 @@ def test_client_disaggregated_params_are_stripped(cluster: Cluster) -> None:
 # -- a worker that fails with 5xx -------------------------------------------------------------
 
 
-def _broken_worker_app() -> web.Application:
-    async def health(_r: web.Request) -> web.Response:
-        return web.json_response({"status": "ok"})
-
-    async def models(_r: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{"id": "tiny"}]})
-
-    async def fail(_r: web.Request) -> web.Response:
-        return web.json_response({"error": {"message": "engine exploded"}}, status=500)
-
-    app = web.Application()
-    app.add_routes([web.get("/health", health), web.get("/v1/models", models),
-                    web.post("/v1/completions", fail), web.post("/v1/chat/completions", fail)])
-    return app
-
-
 @pytest.fixture(scope="module")
-def broken_ctx_cluster(procs: Procs, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
-        Cluster]:
-    import asyncio
-    import threading
-
-    from tests.conftest import free_port
-
-    port = free_port()
-    loop = asyncio.new_event_loop()
-    runner = web.AppRunner(_broken_worker_app())
-    loop.run_until_complete(runner.setup())
-    loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", port).start())
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    c = start_cluster(procs, tmp_path_factory.mktemp("broken"), 0, 1,
-                      context_servers={"urls": [f"127.0.0.1:{port}"]})
-    try:
-        yield c
-    finally:
-        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(10)
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(5)
+def broken_ctx_cluster(procs: Procs, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    with BrokenWorker() as url:
+        yield start_cluster(
+            procs, tmp_path_factory.mktemp("broken"), 0, 1, context_servers={"urls": [url]}
+        )
 
 
 def test_worker_5xx_becomes_502(broken_ctx_cluster: Cluster) -> None:
     for stream in (False, True):
-        r = httpx.post(broken_ctx_cluster.url + "/v1/chat/completions", timeout=60, json={
-            "model": "tiny", "messages": [{"role": "user", "content": "x"}],
-            "stream": stream})
+        r = httpx.post(
+            broken_ctx_cluster.url + "/v1/chat/completions",
+            timeout=60,
+            json={
+                "model": "tiny",
+                "messages": [{"role": "user", "content": "x"}],
+                "stream": stream,
+            },
+        )
         assert r.status_code == 502
         assert r.json()["error"]["message"] == "engine exploded"
     info = httpx.get(broken_ctx_cluster.url + "/cluster_info").json()
-    assert all(w["in_flight"] == 0
-               for w in info["context_servers"] + info["generation_servers"])
+    assert all(w["in_flight"] == 0 for w in info["context_servers"] + info["generation_servers"])

@@ -7,8 +7,12 @@ import sys
 
 
 def test_demo_once() -> None:
-    proc = subprocess.run([sys.executable, "-m", "disagg.cli", "demo", "--once"],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "disagg.cli", "demo", "--once"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     assert "orchestrator ready at http://127.0.0.1:" in proc.stdout
     route = next(line for line in proc.stdout.splitlines() if line.startswith("route: "))

@@ -13,13 +13,26 @@ from tests.conftest import Cluster, assert_no_leaks
 
 def _prompts() -> list[str]:
     rng = random.Random(7)
-    words = "prefill decode cache block token stream worker router model layer".split()
+    words = [
+        "prefill",
+        "decode",
+        "cache",
+        "block",
+        "token",
+        "stream",
+        "worker",
+        "router",
+        "model",
+        "layer",
+    ]
     base = "System: you are a helpful assistant that answers briefly. " * 2  # > 1 block
     prompts = ["a", "Hi", "0123456789abcde", "0123456789abcdef", "0123456789abcdefg"]
     for i in range(50):
         n = rng.randint(1, 40)
         text = " ".join(rng.choice(words) for _ in range(n))
         prompts.append(base + text if i % 3 == 0 else text)  # shared prefixes every third
+    # Longer than the scheduler's 256-token step budget: prefill runs in chunks.
+    prompts += [base * 6 + "chunked prefill", "long " * 130]
     return prompts
 
 
@@ -27,8 +40,11 @@ PROMPTS = _prompts()
 
 
 def _complete(url: str, prompt: str, max_tokens: int) -> dict:  # type: ignore[type-arg]
-    r = httpx.post(url + "/v1/completions", timeout=60, json={
-        "model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0})
+    r = httpx.post(
+        url + "/v1/completions",
+        timeout=60,
+        json={"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0},
+    )
     assert r.status_code == 200, r.text
     return r.json()  # type: ignore[no-any-return]
 
@@ -53,8 +69,12 @@ def test_prompt_token_ids_prompt(cluster: Cluster, mixed_worker: str) -> None:
 
 
 def test_chat_equals_aggregated(cluster: Cluster, mixed_worker: str) -> None:
-    body = {"model": "tiny", "max_tokens": 16, "temperature": 0,
-            "messages": [{"role": "user", "content": "Compare prefill with decode."}]}
+    body = {
+        "model": "tiny",
+        "max_tokens": 16,
+        "temperature": 0,
+        "messages": [{"role": "user", "content": "Compare prefill with decode."}],
+    }
     direct = httpx.post(mixed_worker + "/v1/chat/completions", json=body, timeout=60).json()
     via = httpx.post(cluster.url + "/v1/chat/completions", json=body, timeout=60).json()
     assert via["choices"][0]["message"] == direct["choices"][0]["message"]

@@ -22,7 +22,8 @@ def client(c: Cluster) -> openai.OpenAI:
 
 def test_completions(any_cluster: Cluster) -> None:
     out = client(any_cluster).completions.create(
-        model="tiny", prompt="The quick brown fox", max_tokens=12, temperature=0)
+        model="tiny", prompt="The quick brown fox", max_tokens=12, temperature=0
+    )
     assert out.object == "text_completion"
     assert out.choices[0].finish_reason == "length"
     assert len(out.choices[0].text) > 0
@@ -35,11 +36,17 @@ def test_completions(any_cluster: Cluster) -> None:
 
 def test_completions_stream(any_cluster: Cluster) -> None:
     c = client(any_cluster)
-    full = c.completions.create(model="tiny", prompt="Streaming test", max_tokens=10,
-                                temperature=0)
-    chunks = list(c.completions.create(model="tiny", prompt="Streaming test", max_tokens=10,
-                                       temperature=0, stream=True,
-                                       stream_options={"include_usage": True}))
+    full = c.completions.create(model="tiny", prompt="Streaming test", max_tokens=10, temperature=0)
+    chunks = list(
+        c.completions.create(
+            model="tiny",
+            prompt="Streaming test",
+            max_tokens=10,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     text = "".join(ch.choices[0].text for ch in chunks if ch.choices)
     assert text == full.choices[0].text
     assert chunks[-1].usage is not None
@@ -52,8 +59,11 @@ def test_completions_stream(any_cluster: Cluster) -> None:
 
 def test_chat(any_cluster: Cluster) -> None:
     out = client(any_cluster).chat.completions.create(
-        model="tiny", messages=[{"role": "user", "content": "Hello there"}], max_tokens=8,
-        temperature=0)
+        model="tiny",
+        messages=[{"role": "user", "content": "Hello there"}],
+        max_tokens=8,
+        temperature=0,
+    )
     assert out.object == "chat.completion"
     assert out.choices[0].message.role == "assistant"
     assert out.choices[0].message.content
@@ -63,13 +73,24 @@ def test_chat(any_cluster: Cluster) -> None:
 
 def test_chat_stream(any_cluster: Cluster) -> None:
     c = client(any_cluster)
-    messages = [{"role": "system", "content": "Be brief."},
-                {"role": "user", "content": "Say something about prefill and decode."}]
-    full = c.chat.completions.create(model="tiny", messages=messages,  # type: ignore[arg-type]
-                                     max_tokens=20, temperature=0)
-    stream = c.chat.completions.create(model="tiny", messages=messages,  # type: ignore[arg-type]
-                                       max_tokens=20, temperature=0, stream=True,
-                                       stream_options={"include_usage": True})
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Say something about prefill and decode."},
+    ]
+    full = c.chat.completions.create(
+        model="tiny",
+        messages=messages,  # type: ignore[arg-type]
+        max_tokens=20,
+        temperature=0,
+    )
+    stream = c.chat.completions.create(
+        model="tiny",
+        messages=messages,  # type: ignore[arg-type]
+        max_tokens=20,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     chunks = list(stream)
     text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
     assert text == full.choices[0].message.content
@@ -81,13 +102,21 @@ def test_chat_stream(any_cluster: Cluster) -> None:
 
 def test_responses(any_cluster: Cluster) -> None:
     c = client(any_cluster)
-    out = c.responses.create(model="tiny", input="What is a KV cache?", max_output_tokens=9,
-                             temperature=0)
+    out = c.responses.create(
+        model="tiny", input="What is a KV cache?", max_output_tokens=9, temperature=0
+    )
     assert out.status == "incomplete"  # stopped by max_output_tokens
     assert out.output_text
     assert out.usage is not None and out.usage.output_tokens == 9
-    events = list(c.responses.create(model="tiny", input="What is a KV cache?",
-                                     max_output_tokens=9, temperature=0, stream=True))
+    events = list(
+        c.responses.create(
+            model="tiny",
+            input="What is a KV cache?",
+            max_output_tokens=9,
+            temperature=0,
+            stream=True,
+        )
+    )
     types = [e.type for e in events]
     assert types[:2] == ["response.created", "response.in_progress"]
     deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
@@ -113,8 +142,9 @@ def test_route_header_and_round_robin(cluster2: Cluster) -> None:
     seen_ctx, seen_gen = set(), set()
     c = client(cluster2)
     for i in range(4):
-        raw = c.completions.with_raw_response.create(model="tiny", prompt=f"rr {i}",
-                                                     max_tokens=3, temperature=0)
+        raw = c.completions.with_raw_response.create(
+            model="tiny", prompt=f"rr {i}", max_tokens=3, temperature=0
+        )
         route = dict(part.split("=", 1) for part in raw.headers["x-disagg-route"].split("; "))
         seen_ctx.add(route["context"])
         seen_gen.add(route["generation"])

@@ -32,7 +32,8 @@ def _logits(model: Model, tokens: list[int]) -> np.ndarray:
 
 
 def _write_tokenizer(path: Path) -> None:
-    tokenizers = pytest.importorskip("tokenizers")
+    import tokenizers
+
     tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(unk_token="<unk>"))
     tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
     tok.decoder = tokenizers.decoders.WordPiece(prefix="##")  # joins words with spaces

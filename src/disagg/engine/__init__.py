@@ -1,1 +1,1 @@
-"""The reference worker: a tiny real model in NumPy, a paged KV cache, a scheduler and KV transfer."""
+"""The reference worker: a tiny real model in NumPy, paged KV cache, scheduler, KV transfer."""

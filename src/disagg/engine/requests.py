@@ -10,10 +10,10 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from disagg.errors import InvalidRequest
-from disagg.formats import ChatShape, CompletionShape, ResponsesShape, Shape
 from disagg.engine.scheduler import SamplingParams
 from disagg.engine.tokenizer import Tokenizer, render_chat
+from disagg.errors import InvalidRequest
+from disagg.formats import ChatShape, CompletionShape, ResponsesShape, Shape
 from disagg.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -49,8 +49,9 @@ def _completion_prompt(tok: Tokenizer, prompt: Any) -> list[int]:
         return _completion_prompt(tok, prompt[0])
     if all(isinstance(x, int) for x in prompt):
         return list(prompt)
-    raise InvalidRequest("batched prompts are not supported; send one prompt per request",
-                         param="prompt")
+    raise InvalidRequest(
+        "batched prompts are not supported; send one prompt per request", param="prompt"
+    )
 
 
 def _responses_messages(req: ResponsesRequest) -> list[dict[str, Any]]:
@@ -63,8 +64,9 @@ def _responses_messages(req: ResponsesRequest) -> list[dict[str, Any]]:
     for item in req.input:
         content = item.get("content")
         if isinstance(content, list):
-            content = [{"type": "text", "text": p.get("text", "")} for p in content
-                       if isinstance(p, dict)]
+            content = [
+                {"type": "text", "text": p.get("text", "")} for p in content if isinstance(p, dict)
+            ]
         messages.append({"role": str(item.get("role", "user")), "content": content})
     return messages
 
@@ -86,12 +88,14 @@ def build_job(kind: str, req: Any, tok: Tokenizer, model_name: str, max_len: int
     rid_prefix = {"completions": "cmpl-", "chat": "chatcmpl-", "responses": "resp_"}[kind]
     rid = rid_prefix + uuid.uuid4().hex
     created = int(time.time())
+    shape: Shape
     if isinstance(req, CompletionRequest):
         ids = _completion_prompt(tok, req.prompt)
         budget, stop, shape = req.max_tokens, req.stop, CompletionShape(rid, model_name, created)
     elif isinstance(req, ChatCompletionRequest):
         ids = req.prompt_token_ids or _prompt_ids(
-            tok, render_chat([{"role": m.role, "content": m.content} for m in req.messages]))
+            tok, render_chat([{"role": m.role, "content": m.content} for m in req.messages])
+        )
         budget, stop, shape = req.token_budget(), req.stop, ChatShape(rid, model_name, created)
     else:
         assert isinstance(req, ResponsesRequest)
@@ -105,16 +109,25 @@ def build_job(kind: str, req: Any, tok: Tokenizer, model_name: str, max_len: int
         raise InvalidRequest("prompt token id out of the vocabulary", param="prompt")
     room = max_len - len(ids)
     if room <= 0:
-        raise InvalidRequest(f"the prompt has {len(ids)} tokens; this model's limit is {max_len}",
-                             param="prompt")
+        raise InvalidRequest(
+            f"the prompt has {len(ids)} tokens; this model's limit is {max_len}", param="prompt"
+        )
     max_tokens = DEFAULT_MAX_TOKENS[kind] if budget is None else budget
     if max_tokens > room:
         raise InvalidRequest(
             f"max_tokens={max_tokens} plus the prompt's {len(ids)} tokens exceeds this model's"
-            f" context length of {max_len}", param="max_tokens")
+            f" context length of {max_len}",
+            param="max_tokens",
+        )
     if max_tokens == 0:
         raise InvalidRequest("max_tokens must be at least 1", param="max_tokens")
     opts = getattr(req, "stream_options", None)
-    return Job(kind, ids, _sampling(req, max_tokens, stop), bool(req.stream),
-               bool(opts and opts.include_usage), shape,
-               req.disaggregated_params or DisaggregatedParams())
+    return Job(
+        kind,
+        ids,
+        _sampling(req, max_tokens, stop),
+        bool(req.stream),
+        bool(opts and opts.include_usage),
+        shape,
+        req.disaggregated_params or DisaggregatedParams(),
+    )

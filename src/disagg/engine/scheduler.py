@@ -83,8 +83,15 @@ class StopCheck:
 
 
 class Scheduler:
-    def __init__(self, model: Model, tokenizer: Tokenizer, blocks: BlockManager, *,
-                 max_batched_tokens: int = 256, lease_s: float = 30.0) -> None:
+    def __init__(
+        self,
+        model: Model,
+        tokenizer: Tokenizer,
+        blocks: BlockManager,
+        *,
+        max_batched_tokens: int = 256,
+        lease_s: float = 30.0,
+    ) -> None:
         self.model, self.tokenizer, self.bm = model, tokenizer, blocks
         self.max_batched_tokens = max_batched_tokens
         self.lease_s = lease_s
@@ -263,8 +270,14 @@ class Scheduler:
         self.running.remove(seq)
         self._finish(seq, reason, tokens=tokens)
 
-    def _finish(self, seq: Sequence, reason: str, *, tokens: list[int] | None = None,
-                error: str | None = None) -> None:
+    def _finish(
+        self,
+        seq: Sequence,
+        reason: str,
+        *,
+        tokens: list[int] | None = None,
+        error: str | None = None,
+    ) -> None:
         if seq.blocks is not None:
             if reason == "not_finished":
                 self.pinned[seq.seq_id] = (seq.blocks, time.monotonic() + self.lease_s)
@@ -297,8 +310,13 @@ class Scheduler:
             self.release_pinned(rid)
 
     def stats(self) -> dict[str, Any]:
-        return {"running": len(self.running), "waiting": len(self.waiting),
-                "pinned": len(self.pinned), "steps": self.steps, "kv": self.bm.stats()}
+        return {
+            "running": len(self.running),
+            "waiting": len(self.waiting),
+            "pinned": len(self.pinned),
+            "steps": self.steps,
+            "kv": self.bm.stats(),
+        }
 
 
 def _set_result(fut: asyncio.Future[T], value: T) -> None:

@@ -43,8 +43,11 @@ from disagg.protocol import (
 log = logging.getLogger(__name__)
 
 ROLES = ("context", "generation", "mixed")
-_KINDS = {"completions": CompletionRequest, "chat": ChatCompletionRequest,
-          "responses": ResponsesRequest}
+_KINDS: dict[str, type[Any]] = {
+    "completions": CompletionRequest,
+    "chat": ChatCompletionRequest,
+    "responses": ResponsesRequest,
+}
 
 
 @dataclass(frozen=True)
@@ -66,27 +69,34 @@ class Worker:
         self.model, self.tokenizer, self.settings = model, tokenizer, settings
         kv_shape = model.kv_shape(settings.num_blocks, settings.block_size)
         self.blocks = BlockManager(kv_shape, model.config.dtype)
-        self.scheduler = Scheduler(model, tokenizer, self.blocks,
-                                   max_batched_tokens=settings.max_batched_tokens,
-                                   lease_s=settings.kv_lease_s)
+        self.scheduler = Scheduler(
+            model,
+            tokenizer,
+            self.blocks,
+            max_batched_tokens=settings.max_batched_tokens,
+            lease_s=settings.kv_lease_s,
+        )
         self._session: aiohttp.ClientSession | None = None
 
     # -- app --------------------------------------------------------------------------------
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[error_middleware],
-                              client_max_size=self.settings.max_body_bytes)
-        app.add_routes([
-            web.post("/v1/completions", self._endpoint("completions")),
-            web.post("/v1/chat/completions", self._endpoint("chat")),
-            web.post("/v1/responses", self._endpoint("responses")),
-            web.get("/v1/models", self.models),
-            web.get("/health", self.health),
-            web.get("/server_info", self.server_info),
-            web.get("/stats", self.stats),
-            web.post("/kv/fetch", self.kv_fetch),
-            web.post("/kv/release", self.kv_release),
-        ])
+        app = web.Application(
+            middlewares=[error_middleware], client_max_size=self.settings.max_body_bytes
+        )
+        app.add_routes(
+            [
+                web.post("/v1/completions", self._endpoint("completions")),
+                web.post("/v1/chat/completions", self._endpoint("chat")),
+                web.post("/v1/responses", self._endpoint("responses")),
+                web.get("/v1/models", self.models),
+                web.get("/health", self.health),
+                web.get("/server_info", self.server_info),
+                web.get("/stats", self.stats),
+                web.post("/kv/fetch", self.kv_fetch),
+                web.post("/kv/release", self.kv_release),
+            ]
+        )
         app.on_startup.append(self._start)
         app.on_cleanup.append(self._stop)
         return app
@@ -106,33 +116,47 @@ class Worker:
         return json_response({"status": "ok", "role": self.settings.role})
 
     async def models(self, _request: web.Request) -> web.Response:
-        card = {"id": self.settings.model_name, "object": "model", "created": 0,
-                "owned_by": "disagg"}
+        card = {
+            "id": self.settings.model_name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "disagg",
+        }
         return json_response({"object": "list", "data": [card]})
 
     async def server_info(self, _request: web.Request) -> web.Response:
         cfg = self.model.config
-        return json_response({
-            "role": self.settings.role, "model": self.settings.model_name,
-            "block_size": self.blocks.block_size, "num_blocks": self.blocks.num_blocks,
-            "dtype": cfg.dtype, "max_position": cfg.max_position, "version": __version__,
-        })
+        return json_response(
+            {
+                "role": self.settings.role,
+                "model": self.settings.model_name,
+                "block_size": self.blocks.block_size,
+                "num_blocks": self.blocks.num_blocks,
+                "dtype": cfg.dtype,
+                "max_position": cfg.max_position,
+                "version": __version__,
+            }
+        )
 
     async def stats(self, _request: web.Request) -> web.Response:
-        return json_response({"role": self.settings.role,
-                              **await self.scheduler.call(self.scheduler.stats)})
+        return json_response(
+            {"role": self.settings.role, **await self.scheduler.call(self.scheduler.stats)}
+        )
 
     async def kv_fetch(self, request: web.Request) -> web.Response:
         data = decode_body(await request.read())
         rid, start = _int_field(data, "ctx_request_id"), _int_field(data, "start_block", 0)
         try:
             arr, num_tokens = await self.scheduler.call(
-                lambda: self.scheduler.take_pinned(rid, start))
+                lambda: self.scheduler.take_pinned(rid, start)
+            )
         except KeyError:
-            raise NotFound(f"no pinned KV for ctx_request_id {rid} (unknown, fetched or"
-                           " expired)") from None
-        return web.Response(body=KVPayload(arr, num_tokens).to_bytes(),
-                            content_type="application/octet-stream")
+            raise NotFound(
+                f"no pinned KV for ctx_request_id {rid} (unknown, fetched or expired)"
+            ) from None
+        return web.Response(
+            body=KVPayload(arr, num_tokens).to_bytes(), content_type="application/octet-stream"
+        )
 
     async def kv_release(self, request: web.Request) -> web.Response:
         rid = _int_field(decode_body(await request.read()), "ctx_request_id")
@@ -144,11 +168,12 @@ class Worker:
     def _endpoint(self, kind: str) -> Any:
         async def handler(request: web.Request) -> web.StreamResponse:
             msgpack = request.headers.get("X-TRTLLM-Msgpack") == "1"
-            req = validate(decode_body(await request.read(), msgpack=msgpack), _KINDS[kind])
+            req: Any = validate(decode_body(await request.read(), msgpack=msgpack), _KINDS[kind])
             if req.model != self.settings.model_name:
                 raise ModelNotFound(req.model)
-            job = build_job(kind, req, self.tokenizer, self.settings.model_name,
-                            self.model.config.max_position)
+            job = build_job(
+                kind, req, self.tokenizer, self.settings.model_name, self.model.config.max_position
+            )
             return await self._run(request, job)
 
         return handler
@@ -158,8 +183,10 @@ class Worker:
         if (request_type == "context_only" and role == "generation") or (
             request_type == "generation_only" and role == "context"
         ):
-            raise InvalidRequest(f"a {role} worker does not take {request_type} requests",
-                                 param="disaggregated_params")
+            raise InvalidRequest(
+                f"a {role} worker does not take {request_type} requests",
+                param="disaggregated_params",
+            )
 
     async def _run(self, request: web.Request, job: Job) -> web.StreamResponse:
         rtype = job.disagg.request_type
@@ -167,9 +194,12 @@ class Worker:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[Event] = asyncio.Queue()
         seq = Sequence(
-            seq_id=self.scheduler.next_id(), prompt_ids=job.prompt_ids, params=job.params,
-            sink=lambda ev: loop.call_soon_threadsafe(queue.put_nowait, ev),
-            detok=IncrementalDetokenizer(self.tokenizer), context_only=rtype == "context_only",
+            seq_id=self.scheduler.next_id(),
+            prompt_ids=job.prompt_ids,
+            params=job.params,
+            sink=lambda ev: _deliver(loop, queue, ev),
+            detok=IncrementalDetokenizer(self.tokenizer),
+            context_only=rtype == "context_only",
         )
         if job.params.seed is not None:
             import numpy as np
@@ -181,8 +211,9 @@ class Worker:
             seq.num_computed = seq.num_cached_tokens = len(job.prompt_ids)
             if not seq.output_ids:
                 await self.scheduler.call(lambda: self.blocks.free(seq.blocks))  # type: ignore[arg-type]
-                raise InvalidRequest("generation_only needs first_gen_tokens",
-                                     param="disaggregated_params")
+                raise InvalidRequest(
+                    "generation_only needs first_gen_tokens", param="disaggregated_params"
+                )
         finished = False
         self.scheduler.submit(seq)
         try:
@@ -209,17 +240,23 @@ class Worker:
         ctx = job.disagg.ctx_usage
         if ctx and job.disagg.request_type == "generation_only":
             details = ctx.get("prompt_tokens_details") or {}
-            return usage(int(ctx.get("prompt_tokens", len(job.prompt_ids))),
-                         len(seq.output_ids), int(details.get("cached_tokens", 0)))
+            return usage(
+                int(ctx.get("prompt_tokens", len(job.prompt_ids))),
+                len(seq.output_ids),
+                int(details.get("cached_tokens", 0)),
+            )
         return usage(len(job.prompt_ids), len(seq.output_ids), seq.num_cached_tokens)
 
     def _answer(self, job: Job, seq: Sequence, text: str, reason: str) -> dict[str, Any]:
         body = job.shape.response(text, reason, self._usage(job, seq))
         if not seq.context_only:
             return body
-        params: dict[str, Any] = {"request_type": "context_only",
-                                  "first_gen_tokens": seq.output_ids, "draft_tokens": None,
-                                  "disagg_request_id": job.disagg.disagg_request_id}
+        params: dict[str, Any] = {
+            "request_type": "context_only",
+            "first_gen_tokens": seq.output_ids,
+            "draft_tokens": None,
+            "disagg_request_id": job.disagg.disagg_request_id,
+        }
         if reason == "not_finished":
             params["ctx_request_id"] = seq.seq_id
             params["encoded_opaque_state"] = self._opaque_state(seq).encode()
@@ -232,14 +269,21 @@ class Worker:
 
     def _opaque_state(self, seq: Sequence) -> OpaqueState:
         cfg = self.model.config
-        return OpaqueState(self.settings.advertise_url, seq.seq_id, len(seq.prompt_ids),
-                           self.blocks.block_size, cfg.dtype,
-                           (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim))
+        return OpaqueState(
+            self.settings.advertise_url,
+            seq.seq_id,
+            len(seq.prompt_ids),
+            self.blocks.block_size,
+            cfg.dtype,
+            (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim),
+        )
 
-    async def _stream(self, request: web.Request, job: Job, seq: Sequence,
-                      queue: asyncio.Queue[Event]) -> web.StreamResponse:
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
-                                           "Cache-Control": "no-cache"})
+    async def _stream(
+        self, request: web.Request, job: Job, seq: Sequence, queue: asyncio.Queue[Event]
+    ) -> web.StreamResponse:
+        resp = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        )
         await resp.prepare(request)
         shape = job.shape
         for chunk in shape.stream_start():
@@ -255,8 +299,11 @@ class Worker:
             if ev.error:
                 await resp.write(b"data: " + _error_json(ev.error) + b"\n\n")
             else:
-                use = self._usage(job, seq) if job.include_usage or job.kind == "responses" else (
-                    None)
+                use = (
+                    self._usage(job, seq)
+                    if job.include_usage or job.kind == "responses"
+                    else (None)
+                )
                 for chunk in shape.stream_end("".join(text), ev.finish_reason, use):
                     await resp.write(chunk)
             await resp.write(DONE)
@@ -290,21 +337,22 @@ class Worker:
 
     def _check_state(self, job: Job) -> OpaqueState:
         if not job.disagg.encoded_opaque_state:
-            raise InvalidRequest("generation_only needs encoded_opaque_state",
-                                 param="disaggregated_params")
+            raise InvalidRequest(
+                "generation_only needs encoded_opaque_state", param="disaggregated_params"
+            )
         try:
             state = OpaqueState.decode(job.disagg.encoded_opaque_state)
         except TransferError as exc:
             raise InvalidRequest(str(exc), param="disaggregated_params") from None
         cfg = self.model.config
-        mine = (self.blocks.block_size, cfg.dtype, (cfg.num_layers, cfg.num_kv_heads,
-                                                    cfg.head_dim))
+        mine = (self.blocks.block_size, cfg.dtype, (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim))
         if (state.block_size, state.dtype, tuple(state.layout)) != mine:
-            raise InvalidRequest("the context worker's KV layout does not match this worker's",
-                                 param="disaggregated_params")
+            raise InvalidRequest(
+                "the context worker's KV layout does not match this worker's",
+                param="disaggregated_params",
+            )
         if state.num_tokens != len(job.prompt_ids):
-            raise InvalidRequest("prompt_token_ids do not match the transferred KV",
-                                 param="prompt")
+            raise InvalidRequest("prompt_token_ids do not match the transferred KV", param="prompt")
         return state
 
     async def _fetch(self, state: OpaqueState, start_block: int) -> KVPayload:
@@ -317,7 +365,8 @@ class Worker:
                 if resp.status != 200:
                     raise WorkerUnavailable(
                         f"KV fetch from the context worker failed ({resp.status}): "
-                        + raw[:300].decode(errors="replace"))
+                        + raw[:300].decode(errors="replace")
+                    )
         except aiohttp.ClientError as exc:
             raise WorkerUnavailable(f"KV fetch from the context worker failed: {exc}") from None
         try:
@@ -337,3 +386,8 @@ def _error_json(message: str) -> bytes:
     import msgspec
 
     return msgspec.json.encode(DisaggError(message).body())
+
+
+def _deliver(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue[Event], ev: Event) -> None:
+    """Called on the scheduler thread: hand an event to the request's coroutine."""
+    loop.call_soon_threadsafe(queue.put_nowait, ev)

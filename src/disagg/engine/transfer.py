@@ -47,8 +47,11 @@ class KVPayload:
 
     def to_bytes(self) -> bytes:
         header = msgspec.json.encode(
-            {"shape": list(self.data.shape), "dtype": str(self.data.dtype),
-             "num_tokens": self.num_tokens}
+            {
+                "shape": list(self.data.shape),
+                "dtype": str(self.data.dtype),
+                "num_tokens": self.num_tokens,
+            }
         )
         return struct.pack(">I", len(header)) + header + np.ascontiguousarray(self.data).tobytes()
 
@@ -65,7 +68,11 @@ class KVPayload:
             raise TransferError(f"bad KV payload header: {exc}") from None
         layers, kvh, hd = expect.layout
         if len(shape) != 6 or (shape[0], shape[1], shape[3], shape[4], shape[5]) != (
-            layers, 2, expect.block_size, kvh, hd
+            layers,
+            2,
+            expect.block_size,
+            kvh,
+            hd,
         ):
             raise TransferError(f"KV payload shape {shape} does not match the expected layout")
         if dtype != np.dtype(expect.dtype):

@@ -15,8 +15,9 @@ class RoundRobin:
     def pick(self, request: RouteRequest) -> WorkerState:
         ready = self.pool.ready(request.model)
         if not ready:
-            raise ServiceUnavailable(f"no ready {self.pool.role} worker for model"
-                                     f" `{request.model}`")
+            raise ServiceUnavailable(
+                f"no ready {self.pool.role} worker for model `{request.model}`"
+            )
         worker = ready[self._next % len(ready)]
         self._next += 1
         worker.in_flight += 1

@@ -1,0 +1,62 @@
+"""Failures and disconnects leak nothing: in-flight counts return to 0 and the context
+worker's pinned KV is freed."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from tests.conftest import BrokenWorker, Cluster, Procs, assert_no_leaks, start_cluster
+
+
+@pytest.fixture(scope="module")
+def broken_gen_cluster(procs: Procs, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    with BrokenWorker() as url:
+        c = start_cluster(
+            procs, tmp_path_factory.mktemp("brokengen"), 1, 0, generation_servers={"urls": [url]}
+        )
+        c.generation_urls = []  # the broken worker has no /stats to check
+        yield c
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_generation_failure_releases_context_kv(broken_gen_cluster: Cluster, stream: bool) -> None:
+    r = httpx.post(
+        broken_gen_cluster.url + "/v1/completions",
+        timeout=60,
+        json={
+            "model": "tiny",
+            "prompt": "the context leg pins this prompt's KV",
+            "max_tokens": 8,
+            "stream": stream,
+        },
+    )
+    assert r.status_code == 502
+    assert r.json()["error"]["message"] == "engine exploded"
+    # Released right away, well before the 30 s lease would have expired.
+    assert_no_leaks(broken_gen_cluster, timeout_s=2.0)
+
+
+def test_client_disconnect_mid_stream(cluster: Cluster) -> None:
+    body = {"model": "tiny", "prompt": "a long answer", "max_tokens": 2000, "stream": True}
+    with httpx.stream("POST", cluster.url + "/v1/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        for _ in zip(range(3), r.iter_lines(), strict=False):
+            pass
+    start = time.monotonic()
+    assert_no_leaks(cluster, timeout_s=5.0)
+    assert time.monotonic() - start < 5.0
+
+
+def test_client_disconnect_during_context_leg(cluster: Cluster) -> None:
+    prompt = "x" * 3000  # long enough that the context leg is still running at the timeout
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(
+            cluster.url + "/v1/completions",
+            timeout=0.05,
+            json={"model": "tiny", "prompt": prompt, "max_tokens": 500},
+        )
+    assert_no_leaks(cluster, timeout_s=10.0)
