@@ -10,8 +10,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import os
-import time
+import secrets
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -57,11 +56,11 @@ class Orchestrator:
     ) -> None:
         self.context_policy, self.generation_policy = context_policy, generation_policy
         self.client = client
-        # Unique across orchestrator restarts and replicas in practice: time-based high bits.
-        self._ids = itertools.count((int(time.time() * 1000) << 16) | (os.getpid() & 0xFFFF))
+        # Random high bits keep ids apart across restarts and replicas; the low 32 bits count.
+        self._ids = itertools.count((secrets.randbits(31) << 32) + 1)
 
     def next_id(self) -> int:
-        return next(self._ids) & 0x7FFF_FFFF_FFFF_FFFF
+        return next(self._ids)
 
     async def run(
         self,
