@@ -4,14 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import os
-import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -19,33 +15,9 @@ import pytest
 import yaml
 from aiohttp import web
 
+from disagg.demo import Processes, free_port
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@dataclass
-class Procs:
-    procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
-
-    def start(self, *args: str) -> subprocess.Popen[bytes]:
-        cmd = [sys.executable, "-m", "disagg.cli", "--log-level", "warning", *args]
-        p = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
-        self.procs.append(p)
-        return p
-
-    def stop(self) -> None:
-        for p in self.procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in self.procs:
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+Procs = Processes
 
 
 def wait_healthy(url: str, procs: Procs, timeout_s: float = 60.0) -> None:

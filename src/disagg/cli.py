@@ -9,8 +9,12 @@ import argparse
 import logging
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from disagg import __version__
+
+if TYPE_CHECKING:
+    from disagg.config import ClusterConfig
 
 
 def _worker(args: argparse.Namespace) -> int:
@@ -41,15 +45,23 @@ def _url_host(host: str) -> str:
     return f"[{host}]" if ":" in host else host
 
 
-def _serve(args: argparse.Namespace) -> int:
+def _load_config(path: str) -> ClusterConfig | None:
+    """The config at `path`, or None after printing the error that names the bad key."""
     from disagg.config import ConfigError, load_config
+
+    try:
+        return load_config(path)
+    except ConfigError as exc:
+        print(f"{path}: {exc}", file=sys.stderr)
+        return None
+
+
+def _serve(args: argparse.Namespace) -> int:
     from disagg.http import run, serve
     from disagg.server import Frontend
 
-    try:
-        config = load_config(args.config)
-    except ConfigError as exc:
-        print(f"disagg: invalid config {args.config}: {exc}", file=sys.stderr)
+    config = _load_config(args.config)
+    if config is None:
         return 2
     host = args.host or config.hostname
     port = args.port or config.port
@@ -69,12 +81,10 @@ def _serve(args: argparse.Namespace) -> int:
 def _check_config(args: argparse.Namespace) -> int:
     import yaml
 
-    from disagg.config import ConfigError, config_to_dict, load_config
+    from disagg.config import config_to_dict
 
-    try:
-        config = load_config(args.config)
-    except ConfigError as exc:
-        print(f"{args.config}: {exc}", file=sys.stderr)
+    config = _load_config(args.config)
+    if config is None:
         return 2
     print(yaml.safe_dump(config_to_dict(config), sort_keys=False), end="")
     return 0
