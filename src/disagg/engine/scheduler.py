@@ -64,6 +64,7 @@ class Sequence:
     text: str = ""
     sent: int = 0  # characters of `text` already emitted
     aborted: bool = False
+    error: str | None = None  # set with `aborted` when the engine, not the client, ended it
     rng: np.random.Generator = field(default_factory=np.random.default_rng)
 
 
@@ -192,12 +193,10 @@ class Scheduler:
             self._advance(seq, item, row)
 
     def _drop_aborted(self) -> None:
-        for seq in [s for s in self.running if s.aborted]:
-            self.running.remove(seq)
-            self._finish(seq, "abort")
-        for seq in [s for s in self.waiting if s.aborted]:
-            self.waiting.remove(seq)
-            self._finish(seq, "abort")
+        for queue in (self.running, self.waiting):
+            for seq in [s for s in queue if s.aborted]:
+                queue.remove(seq)
+                self._finish(seq, "error" if seq.error else "abort", error=seq.error)
 
     def _admit(self) -> None:
         while self.waiting:
@@ -231,7 +230,7 @@ class Scheduler:
         try:
             self.bm.append(seq.blocks, last)
         except OutOfBlocks:
-            seq.aborted = True
+            seq.aborted, seq.error = True, "the KV cache is full; the sequence cannot grow"
             return None
         pos = seq.blocks.num_tokens - 1
         return ForwardItem(np.asarray([last], dtype=np.int64), pos, seq.blocks.block_table)

@@ -191,6 +191,7 @@ class Worker:
     async def _run(self, request: web.Request, job: Job) -> web.StreamResponse:
         rtype = job.disagg.request_type
         self._check_role(rtype)
+        self._check_capacity(job)
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[Event] = asyncio.Queue()
         seq = Sequence(
@@ -226,6 +227,17 @@ class Worker:
             if not finished:
                 self.scheduler.abort(seq)
 
+    def _check_capacity(self, job: Job) -> None:
+        size = self.blocks.block_size
+        need = -(-(len(job.prompt_ids) + job.params.max_tokens) // size)
+        if need > self.blocks.num_blocks:
+            raise InvalidRequest(
+                f"the prompt ({len(job.prompt_ids)} tokens) plus max_tokens"
+                f" ({job.params.max_tokens}) needs {need} KV blocks; this worker has"
+                f" {self.blocks.num_blocks}",
+                param="max_tokens",
+            )
+
     async def _collect(self, queue: asyncio.Queue[Event]) -> tuple[str, str]:
         parts: list[str] = []
         while True:
@@ -233,7 +245,7 @@ class Worker:
             parts.append(ev.text)
             if ev.finish_reason is not None:
                 if ev.error:
-                    raise DisaggError(f"engine error: {ev.error}")
+                    raise ServiceUnavailable(f"engine error: {ev.error}")
                 return "".join(parts), ev.finish_reason
 
     def _usage(self, job: Job, seq: Sequence) -> dict[str, Any]:
