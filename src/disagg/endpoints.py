@@ -148,7 +148,8 @@ class Chat(Endpoint):
     path = "/v1/chat/completions"
     request_type = ChatCompletionRequest
     shape_type = ChatShape
-    max_tokens_keys = ("max_tokens", "max_completion_tokens")
+    # the worker honours max_completion_tokens over the deprecated max_tokens; so do we
+    max_tokens_keys = ("max_completion_tokens", "max_tokens")
 
     def _text(self, choice: dict[str, Any]) -> str:
         return str((choice.get("message") or {}).get("content") or "")

@@ -180,9 +180,8 @@ class ResponsesShape:
             "length": ("incomplete", "max_output_tokens"),
             "not_finished": ("in_progress", None),  # a context_only leg: generation follows
         }.get(finish_reason, ("completed", None))
-        return self._object(
-            status, [self._message(text, "completed")], responses_usage(usage), reason
-        )
+        item = self._message(text, "incomplete" if status == "incomplete" else "completed")
+        return self._object(status, [item], responses_usage(usage), reason)
 
     def stream_start(self) -> list[bytes]:
         empty = self._object("in_progress", [], None, None)
@@ -234,9 +233,7 @@ class ResponsesShape:
                 content_index=0,
                 part=part,
             ),
-            self._event(
-                "response.output_item.done", output_index=0, item=self._message(text, "completed")
-            ),
+            self._event("response.output_item.done", output_index=0, item=final["output"][0]),
             self._event(name, response=final),
         ]
 

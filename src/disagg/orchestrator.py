@@ -18,7 +18,7 @@ from typing import Any
 import aiohttp
 
 from disagg.endpoints import ContextOutcome, Endpoint
-from disagg.errors import DisaggError
+from disagg.errors import DisaggError, WorkerUnavailable
 from disagg.formats import DONE, sse_data
 from disagg.routing import Policy, Reservation, RouteRequest
 from disagg.upstream import UpstreamStream, WorkerClient
@@ -89,17 +89,23 @@ class Orchestrator:
         try:
             payload = endpoint.context_request(body, self.next_id())
             resp = await self.client.post(reservation.worker.url, endpoint.path, payload)
-            ctx = endpoint.outcome(resp, endpoint.budget(body))
+            try:
+                ctx = endpoint.outcome(resp, endpoint.budget(body))
+                route.cached_tokens = int(
+                    (ctx.usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+                )
+            except (AttributeError, TypeError, ValueError, KeyError, IndexError):
+                raise WorkerUnavailable(
+                    f"context worker {route.context} sent a malformed answer"
+                ) from None
             ok = True
         finally:
             reservation.finish(ok)
-        route.cached_tokens = int(
-            (ctx.usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
-        )
         if not ctx.finished and not (
             ctx.prompt_token_ids and ctx.params.get("encoded_opaque_state")
         ):
-            raise DisaggError(
+            await self._release_context_kv(route, ctx)
+            raise WorkerUnavailable(
                 "the context worker's answer lacks prompt_token_ids or disaggregated_params"
             )
         return resp, ctx
@@ -119,8 +125,8 @@ class Orchestrator:
             await self._release_context_kv(route, ctx)
             raise
         url = route.generation = reservation.worker.url
-        payload = endpoint.generation_request(body, ctx, self.next_id())
         try:
+            payload = endpoint.generation_request(body, ctx, self.next_id())
             if stream:
                 upstream = await self.client.open_stream(url, endpoint.path, payload)
             else:

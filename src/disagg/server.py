@@ -6,6 +6,7 @@ comes back. Errors become OpenAI-style bodies in `disagg.http`; no placement hap
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
 
@@ -15,7 +16,8 @@ from aiohttp import web
 from disagg.cluster import Cluster, HealthMonitor, StaticDiscovery
 from disagg.config import ClusterConfig
 from disagg.endpoints import ENDPOINTS, Endpoint
-from disagg.errors import InvalidRequest, ModelNotFound, ServiceUnavailable
+from disagg.errors import DisaggError, InvalidRequest, ModelNotFound, ServiceUnavailable
+from disagg.formats import DONE, sse_data
 from disagg.http import error_middleware, json_response
 from disagg.orchestrator import Orchestrator
 from disagg.protocol import decode_body, validate
@@ -146,8 +148,15 @@ class Frontend:
                 }
             )
             await resp.prepare(request)
-            async for chunk in result.chunks:
-                await resp.write(chunk)
+            try:
+                async for chunk in result.chunks:
+                    await resp.write(chunk)
+            except (asyncio.CancelledError, ConnectionError):
+                raise
+            except Exception:
+                # The response has started: end it with an error event, never a second answer.
+                log.exception("relaying the stream failed")
+                await resp.write(sse_data(DisaggError("stream relay failed").body()) + DONE)
             await resp.write_eof()
             return resp
         finally:

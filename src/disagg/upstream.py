@@ -22,18 +22,21 @@ log = logging.getLogger(__name__)
 HEADERS = {"Content-Type": "application/json", "X-TRTLLM-Msgpack": "1"}
 
 
-def _worker_message(status: int, raw: bytes) -> str:
+def worker_error(status: int, raw: bytes) -> UpstreamError:
+    """The worker's error status, message and `param`, as the client will see them."""
+    message, param = "", None
     try:
         data = msgspec.json.decode(raw)
         err = data.get("error") if isinstance(data, dict) else None
-        if isinstance(err, dict) and err.get("message"):
-            return str(err["message"])
-        if isinstance(err, str):
-            return err
+        if isinstance(err, dict):
+            message = str(err.get("message") or "")
+            param = err.get("param") if isinstance(err.get("param"), str) else None
+        elif isinstance(err, str):
+            message = err
     except msgspec.DecodeError:
         pass
-    text = raw[:500].decode(errors="replace").strip()
-    return text or f"worker answered HTTP {status}"
+    message = message or raw[:500].decode(errors="replace").strip()
+    return UpstreamError(status, message or f"worker answered HTTP {status}", param=param)
 
 
 class UpstreamStream:
@@ -90,7 +93,7 @@ class WorkerClient:
             ) as resp:
                 raw = await resp.read()
                 if resp.status != 200:
-                    raise UpstreamError(resp.status, _worker_message(resp.status, raw))
+                    raise worker_error(resp.status, raw)
             data = msgspec.json.decode(raw)
         except DisaggError:
             raise
@@ -124,7 +127,7 @@ class WorkerClient:
                 raw = b""
             finally:
                 resp.release()
-            raise UpstreamError(resp.status, _worker_message(resp.status, raw))
+            raise worker_error(resp.status, raw)
         return UpstreamStream(resp)
 
     async def release_kv(self, url: str, ctx_request_id: int) -> None:

@@ -85,6 +85,7 @@ def test_worker_4xx_reaches_client(cluster: Cluster, stream: bool) -> None:
     )
     assert r.status_code == 400
     assert "n=1" in r.json()["error"]["message"]
+    assert r.json()["error"]["param"] == "n"
     r = httpx.post(
         cluster.url + "/v1/completions",
         timeout=60,

@@ -58,6 +58,7 @@ def test_hf_checkpoint_disagg_equals_aggregated(hf_urls: tuple[str, str]) -> Non
         body = {"model": "small", "prompt": sentence, "max_tokens": 8, "temperature": 0}
         via = httpx.post(orchestrator + "/v1/completions", json=body, timeout=60).json()
         direct = httpx.post(mixed + "/v1/completions", json=body, timeout=60).json()
+        assert "choices" in via, via
         assert via["choices"][0]["text"] == direct["choices"][0]["text"]
         assert via["usage"]["prompt_tokens"] == direct["usage"]["prompt_tokens"]
         assert via["usage"]["prompt_tokens"] == len(sentence.split()) + 1  # words + BOS

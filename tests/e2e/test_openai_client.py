@@ -106,6 +106,7 @@ def test_responses(any_cluster: Cluster) -> None:
         model="tiny", input="What is a KV cache?", max_output_tokens=9, temperature=0
     )
     assert out.status == "incomplete"  # stopped by max_output_tokens
+    assert out.output[0].status == "incomplete"
     assert out.output_text
     assert out.usage is not None and out.usage.output_tokens == 9
     events = list(
@@ -151,3 +152,23 @@ def test_route_header_and_round_robin(cluster2: Cluster) -> None:
     assert seen_ctx == set(cluster2.context_urls)
     assert seen_gen == set(cluster2.generation_urls)
     assert_no_leaks(cluster2)
+
+
+def test_chat_max_completion_tokens_wins(cluster: Cluster) -> None:
+    out = client(cluster).chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=5,
+        max_completion_tokens=1,
+        temperature=0,
+    )
+    assert out.usage is not None and out.usage.completion_tokens == 1
+    out = client(cluster).chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=1,
+        max_completion_tokens=4,
+        temperature=0,
+    )
+    assert out.usage is not None and out.usage.completion_tokens == 4
+    assert_no_leaks(cluster)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import httpx
 
 from tests.conftest import Procs, free_port, wait_healthy
@@ -28,3 +30,75 @@ def test_request_larger_than_kv_cache(procs: Procs) -> None:
     assert ok.status_code == 200
     stats = httpx.get(url + "/stats").json()
     assert stats["kv"]["used"] == 0 and stats["pinned"] == 0
+
+
+def test_pinned_kv_delays_admission_until_lease_expiry(procs: Procs) -> None:
+    port = free_port()
+    procs.start(
+        "worker",
+        "--role",
+        "context",
+        "--port",
+        str(port),
+        "--num-blocks",
+        "64",
+        "--kv-lease",
+        "1.5",
+    )
+    url = f"http://127.0.0.1:{port}"
+    wait_healthy(url, procs)
+    for i in range(3):  # three context legs nobody fetches: ~57 of 64 blocks pinned
+        r = httpx.post(
+            url + "/v1/completions",
+            timeout=60,
+            json={
+                "model": "tiny",
+                "prompt": f"{i}" * 300,
+                "max_tokens": 4,
+                "disaggregated_params": {"request_type": "context_only"},
+            },
+        )
+        assert r.status_code == 200
+        assert r.json()["choices"][0]["finish_reason"] == "not_finished"
+    assert httpx.get(url + "/stats").json()["pinned"] == 3
+    # Needs more blocks than are free now: it waits for the leases, it is not refused.
+    r = httpx.post(
+        url + "/v1/completions",
+        timeout=60,
+        json={"model": "tiny", "prompt": "y" * 300, "max_tokens": 4},
+    )
+    assert r.status_code == 200, r.text
+    deadline = time.monotonic() + 5
+    while (stats := httpx.get(url + "/stats").json())["pinned"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert stats["pinned"] == 0 and stats["kv"]["used"] == 0
+
+
+def test_odd_but_valid_sampling_and_bad_content(procs: Procs) -> None:
+    port = free_port()
+    procs.start("worker", "--role", "mixed", "--port", str(port))
+    url = f"http://127.0.0.1:{port}"
+    wait_healthy(url, procs)
+    r = httpx.post(
+        url + "/v1/completions",
+        timeout=60,
+        json={"model": "tiny", "prompt": "x", "max_tokens": 3, "seed": -7},
+    )
+    assert r.status_code == 200
+    r = httpx.post(
+        url + "/v1/responses",
+        timeout=60,
+        json={"model": "tiny", "input": [{"role": "user", "content": 5}]},
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"] == "input"
+    r = httpx.post(
+        url + "/v1/completions",
+        timeout=60,
+        json={
+            "model": "tiny",
+            "prompt": [1, 2],
+            "max_tokens": 3,
+            "disaggregated_params": {"request_type": "generation_only", "first_gen_tokens": []},
+        },
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"] == "disaggregated_params"

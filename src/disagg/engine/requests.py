@@ -63,6 +63,10 @@ def _responses_messages(req: ResponsesRequest) -> list[dict[str, Any]]:
         return messages
     for item in req.input:
         content = item.get("content")
+        if content is not None and not isinstance(content, (str, list)):
+            raise InvalidRequest(
+                "input item `content` must be a string or a list of parts", param="input"
+            )
         if isinstance(content, list):
             content = [
                 {"type": "text", "text": p.get("text", "")} for p in content if isinstance(p, dict)

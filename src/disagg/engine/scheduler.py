@@ -124,14 +124,29 @@ class Scheduler:
             self._cond.notify()
 
     def abort(self, seq: Sequence) -> None:
-        with self._cond:
-            seq.aborted = True
-            self._cond.notify()
+        """The client is gone: stop the sequence, and drop its KV if it was pinned already."""
 
-    async def call(self, fn: Callable[[], T]) -> T:
-        """Run `fn` on the scheduler thread between steps and await its result."""
+        def now() -> None:
+            seq.aborted = True
+            self.release_pinned(seq.seq_id)
+
+        self.post(now)
+
+    async def call(self, fn: Callable[[], T], undo: Callable[[T], None] | None = None) -> T:
+        """Run `fn` on the scheduler thread between steps and await its result.
+
+        When the awaiting coroutine is cancelled before the result arrives, `undo(result)`
+        runs on the scheduler thread instead, so nothing `fn` acquired is lost.
+        """
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[T] = loop.create_future()
+
+        def deliver(result: T) -> None:
+            if fut.cancelled():
+                if undo is not None:
+                    self.post(lambda: undo(result))
+            else:
+                fut.set_result(result)
 
         def run() -> None:
             try:
@@ -139,12 +154,16 @@ class Scheduler:
             except BaseException as exc:  # handed to the awaiting coroutine
                 loop.call_soon_threadsafe(_set_exception, fut, exc)
             else:
-                loop.call_soon_threadsafe(_set_result, fut, result)
+                loop.call_soon_threadsafe(deliver, result)
 
-        with self._cond:
-            self._calls.append(run)
-            self._cond.notify()
+        self.post(run)
         return await fut
+
+    def post(self, fn: Callable[[], None]) -> None:
+        """Run `fn` on the scheduler thread between steps, without waiting for it."""
+        with self._cond:
+            self._calls.append(fn)
+            self._cond.notify()
 
     # -- the loop ---------------------------------------------------------------------------
 
@@ -159,23 +178,33 @@ class Scheduler:
                     return
                 calls = list(self._calls)
                 self._calls.clear()
-            for run in calls:
-                run()
             try:
+                for run in calls:
+                    run()
                 self._sweep_leases()
-                self._step()
+                if self._step() and not self.running:
+                    with self._cond:  # admission waits for blocks to be freed or released
+                        self._cond.wait(timeout=0.05)
             except Exception:
                 log.exception("scheduler step failed; failing the running sequences")
-                for seq in [*self.running, *self.waiting]:
-                    self._finish(seq, "error", error="internal engine error")
-                self.running.clear()
-                self.waiting.clear()
+                self._fail_all()
 
-    def _step(self) -> None:
+    def _fail_all(self) -> None:
+        seqs = [*self.running, *self.waiting]
+        self.running.clear()
+        self.waiting.clear()
+        for seq in seqs:
+            try:
+                self._finish(seq, "error", error="internal engine error")
+            except Exception:
+                log.exception("could not fail sequence %d", seq.seq_id)
+
+    def _step(self) -> bool:
+        """One batch; returns whether admission is blocked on KV blocks."""
         self._drop_aborted()
-        self._admit()
+        blocked = self._admit()
         if not self.running:
-            return
+            return blocked
         items: list[ForwardItem] = []
         batch: list[Sequence] = []
         budget = self.max_batched_tokens
@@ -185,12 +214,12 @@ class Scheduler:
                 items.append(item)
                 batch.append(seq)
                 budget -= len(item.token_ids)
-        if not items:
-            return
-        logits = self.model.forward(items, self.bm.kv)
-        self.steps += 1
-        for seq, item, row in zip(batch, items, logits, strict=True):
-            self._advance(seq, item, row)
+        if items:
+            logits = self.model.forward(items, self.bm.kv)
+            self.steps += 1
+            for seq, item, row in zip(batch, items, logits, strict=True):
+                self._advance(seq, item, row)
+        return blocked
 
     def _drop_aborted(self) -> None:
         for queue in (self.running, self.waiting):
@@ -198,24 +227,27 @@ class Scheduler:
                 queue.remove(seq)
                 self._finish(seq, "error" if seq.error else "abort", error=seq.error)
 
-    def _admit(self) -> None:
+    def _admit(self) -> bool:
+        """Move waiting sequences to running while blocks last; True when blocked."""
         while self.waiting:
             seq = self.waiting[0]
             if seq.blocks is None:
                 try:
                     seq.blocks = self.bm.allocate(seq.prompt_ids)
                 except OutOfBlocks:
-                    if not self.running:
+                    if not self.running and not self.pinned:
+                        # Nothing will free blocks: the prompt can't fit the cache at all.
                         self.waiting.popleft()
                         self._finish(seq, "error", error="prompt does not fit in the KV cache")
                         continue
-                    return
+                    return True
                 seq.num_cached_tokens = seq.blocks.num_cached_tokens
                 seq.num_computed = seq.num_cached_tokens
             self.waiting.popleft()
             self.running.append(seq)
             if seq.output_ids:  # generation_only: the first tokens came from the context leg
                 self._emit_tokens(seq, seq.output_ids)
+        return False
 
     def _next_item(self, seq: Sequence, budget: int) -> ForwardItem | None:
         assert seq.blocks is not None
@@ -316,11 +348,6 @@ class Scheduler:
             "steps": self.steps,
             "kv": self.bm.stats(),
         }
-
-
-def _set_result(fut: asyncio.Future[T], value: T) -> None:
-    if not fut.done():
-        fut.set_result(value)
 
 
 def _set_exception(fut: asyncio.Future[Any], exc: BaseException) -> None:

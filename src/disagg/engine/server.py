@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
+import numpy as np
 from aiohttp import web
 
 from disagg import __version__
@@ -203,18 +204,17 @@ class Worker:
             context_only=rtype == "context_only",
         )
         if job.params.seed is not None:
-            import numpy as np
-
-            seq.rng = np.random.default_rng(job.params.seed)
+            # OpenAI seeds are any integer; numpy wants a non-negative one.
+            seq.rng = np.random.default_rng(job.params.seed % 2**64)
         if rtype == "generation_only":
-            seq.blocks = await self._receive_kv(job)
-            seq.output_ids = list(job.disagg.first_gen_tokens or [])
-            seq.num_computed = seq.num_cached_tokens = len(job.prompt_ids)
-            if not seq.output_ids:
-                await self.scheduler.call(lambda: self.blocks.free(seq.blocks))  # type: ignore[arg-type]
+            first = job.disagg.first_gen_tokens
+            if not first or any(not 0 <= t < self.model.config.vocab_size for t in first):
                 raise InvalidRequest(
-                    "generation_only needs first_gen_tokens", param="disaggregated_params"
+                    "generation_only needs valid first_gen_tokens", param="disaggregated_params"
                 )
+            seq.blocks = await self._receive_kv(job)
+            seq.output_ids = list(first)
+            seq.num_computed = seq.num_cached_tokens = len(job.prompt_ids)
         finished = False
         self.scheduler.submit(seq)
         try:
@@ -327,7 +327,9 @@ class Worker:
     async def _receive_kv(self, job: Job) -> SeqBlocks:
         state = self._check_state(job)
         try:
-            blocks = await self.scheduler.call(lambda: self.blocks.allocate(job.prompt_ids))
+            blocks = await self.scheduler.call(
+                lambda: self.blocks.allocate(job.prompt_ids), undo=self.blocks.free
+            )
         except OutOfBlocks:
             raise ServiceUnavailable("generation worker is out of KV blocks") from None
         try:
