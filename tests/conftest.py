@@ -6,7 +6,7 @@ import asyncio
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,7 +45,18 @@ class Cluster:
         return self.context_urls + self.generation_urls
 
 
-def start_cluster(procs: Procs, tmp: Path, n_ctx: int, n_gen: int, **extra: object) -> Cluster:
+def start_cluster(
+    procs: Procs,
+    tmp: Path,
+    n_ctx: int,
+    n_gen: int,
+    *,
+    extra_ctx: Sequence[str] = (),
+    extra_gen: Sequence[str] = (),
+    **extra: object,
+) -> Cluster:
+    """Reference workers (plus the `extra_*` URLs, first in their pool) behind an
+    orchestrator; `extra` adds or overrides top-level config keys."""
     ctx = [free_port() for _ in range(n_ctx)]
     gen = [free_port() for _ in range(n_gen)]
     port = free_port()
@@ -56,10 +67,12 @@ def start_cluster(procs: Procs, tmp: Path, n_ctx: int, n_gen: int, **extra: obje
     config = {
         "hostname": "127.0.0.1",
         "port": port,
-        "context_servers": {"num_instances": n_ctx, "urls": [f"127.0.0.1:{p}" for p in ctx]},
-        "generation_servers": {"num_instances": n_gen, "urls": [f"127.0.0.1:{p}" for p in gen]},
+        "context_servers": {"urls": [*extra_ctx, *(f"127.0.0.1:{p}" for p in ctx)]},
+        "generation_servers": {"urls": [*extra_gen, *(f"127.0.0.1:{p}" for p in gen)]},
         **extra,
     }
+    for p in ctx + gen:  # all ready before the orchestrator's first health round
+        wait_healthy(f"http://127.0.0.1:{p}", procs)
     path = tmp / f"cluster-{port}.yaml"
     path.write_text(yaml.safe_dump(config))
     procs.start("serve", "--config", str(path))
@@ -124,42 +137,60 @@ def assert_no_leaks(cluster: Cluster, timeout_s: float = 5.0) -> None:
 
 
 class BrokenWorker:
-    """A real HTTP server on loopback that looks healthy but fails every inference request
-    with a 500, run on its own thread; `with BrokenWorker() as url:`."""
+    """A real HTTP server on loopback that looks healthy but fails every inference request,
+    run on its own thread; `with BrokenWorker(mode) as url:`. Modes: "500", "400", "reset"
+    (drops the connection without answering), "partial" (streams one chunk, then drops).
+    `hits` counts the inference requests it received."""
 
-    def __init__(self) -> None:
+    def __init__(self, mode: str = "500") -> None:
         self.port = free_port()
+        self.mode = mode
+        self.hits = 0
+        self.url = f"http://127.0.0.1:{self.port}"
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.runner = web.AppRunner(self._app())
 
-    @staticmethod
-    def _app() -> web.Application:
+    async def _fail(self, request: web.Request) -> web.StreamResponse:
+        self.hits += 1
+        if self.mode == "400":
+            return web.json_response({"error": {"message": "bad", "param": "x"}}, status=400)
+        if self.mode == "reset":
+            assert request.transport is not None
+            request.transport.close()
+            raise asyncio.CancelledError
+        if self.mode == "partial":
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            await resp.write(b'data: {"choices": [{"index": 0, "text": "A"}]}\n\n')
+            assert request.transport is not None
+            request.transport.close()
+            return resp
+        return web.json_response({"error": {"message": "engine exploded"}}, status=500)
+
+    def _app(self) -> web.Application:
         async def health(_r: web.Request) -> web.Response:
             return web.json_response({"status": "ok"})
 
         async def models(_r: web.Request) -> web.Response:
             return web.json_response({"object": "list", "data": [{"id": "tiny"}]})
 
-        async def fail(_r: web.Request) -> web.Response:
-            return web.json_response({"error": {"message": "engine exploded"}}, status=500)
-
         app = web.Application()
         app.add_routes([web.get("/health", health), web.get("/v1/models", models)])
         app.add_routes(
             [
-                web.post(p, fail)
+                web.post(p, self._fail)
                 for p in ("/v1/completions", "/v1/chat/completions", "/v1/responses")
             ]
         )
         return app
 
-    def __enter__(self) -> str:
+    def __enter__(self) -> str:  # the base URL
         self.loop.run_until_complete(self.runner.setup())
         site = web.TCPSite(self.runner, "127.0.0.1", self.port)
         self.loop.run_until_complete(site.start())
         self.thread.start()
-        return f"http://127.0.0.1:{self.port}"
+        return self.url
 
     def __exit__(self, *exc: object) -> None:
         asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(10)

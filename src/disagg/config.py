@@ -6,6 +6,7 @@ It must not start, contact or health-check workers; worker launch keys are kept 
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import math
 import os
@@ -156,6 +157,9 @@ _OWN_KEYS = frozenset(
         "max_request_body_bytes",
         "max_tokens_limit",
         "log_level",
+        "transient_retries",
+        "retry_interval",
+        "disable_retries",
     }
 )
 _TOP_KEYS = _TRTLLM_KEYS | _TRTLLM_IGNORED | _WORKER_KEYS | _OWN_KEYS
@@ -206,6 +210,9 @@ class ClusterConfig:
     max_request_body_bytes: int = 10 * 1024 * 1024
     max_tokens_limit: int = 1_000_000
     log_level: str = "info"
+    transient_retries: int = 5  # extra budget for TCP resets / server disconnected
+    retry_interval: float = 1.0  # seconds between attempts
+    disable_retries: bool = False  # also set by DISAGG_NO_RETRY=1
 
 
 # --- small checkers -----------------------------------------------------------------------------
@@ -470,6 +477,17 @@ def _own_fields(top: Mapping[str, Any]) -> dict[str, Any]:
     for key in ("max_request_body_bytes", "max_tokens_limit"):
         if key in top:
             fields[key] = _int(top[key], key, minimum=1)
+    if "transient_retries" in top:
+        fields["transient_retries"] = _int(top["transient_retries"], "transient_retries")
+    if "retry_interval" in top:
+        fields["retry_interval"] = _seconds(
+            top["retry_interval"], "retry_interval", allow_zero=True
+        )
+    if "disable_retries" in top:
+        value = top["disable_retries"]
+        if not isinstance(value, bool):
+            raise ConfigError("disable_retries", f"expected true or false, got {_kind(value)}")
+        fields["disable_retries"] = value
     if "log_level" in top:
         level = top["log_level"]
         fields["log_level"] = _choice(
@@ -510,7 +528,14 @@ def load_config(path: str | os.PathLike[str]) -> ClusterConfig:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         raise ConfigError("", _yaml_message(exc)) from None
-    return parse_config(data)
+    return with_environment(parse_config(data), os.environ)
+
+
+def with_environment(cfg: ClusterConfig, environ: Mapping[str, str]) -> ClusterConfig:
+    """Apply the environment switches (read here only): DISAGG_NO_RETRY=1 turns retries off."""
+    if environ.get("DISAGG_NO_RETRY", "").strip().lower() in ("1", "true", "yes"):
+        return dataclasses.replace(cfg, disable_retries=True)
+    return cfg
 
 
 def _yaml_message(exc: yaml.YAMLError) -> str:
@@ -549,6 +574,9 @@ def config_to_dict(cfg: ClusterConfig) -> dict[str, Any]:
         "max_request_body_bytes": cfg.max_request_body_bytes,
         "max_tokens_limit": cfg.max_tokens_limit,
         "log_level": cfg.log_level,
+        "transient_retries": cfg.transient_retries,
+        "retry_interval": cfg.retry_interval,
+        "disable_retries": cfg.disable_retries,
         "context_servers": _pool_to_dict(cfg.context),
         "generation_servers": _pool_to_dict(cfg.generation),
     }

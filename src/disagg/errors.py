@@ -76,10 +76,18 @@ class UpstreamError(DisaggError):
 
 
 class WorkerUnavailable(DisaggError):
-    """A worker could not be reached or broke the connection."""
+    """A worker could not be reached or broke the connection.
+
+    `transient`: a TCP fault (reset, server disconnected) that a retry usually cures.
+    `sent`: the request may have reached the worker (False only when connecting failed).
+    """
 
     status = 502
     type = "upstream_error"
+
+    def __init__(self, message: str, *, transient: bool = False, sent: bool = True) -> None:
+        super().__init__(message)
+        self.transient, self.sent = transient, sent
 
 
 class ServiceUnavailable(DisaggError):

@@ -11,7 +11,7 @@ import asyncio
 import itertools
 import logging
 import secrets
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,6 +20,7 @@ import aiohttp
 from disagg.endpoints import ContextOutcome, Endpoint
 from disagg.errors import DisaggError, WorkerUnavailable
 from disagg.formats import DONE, sse_data
+from disagg.retry import RetryBudget, RetryPolicy, retryable
 from disagg.routing import Policy, Reservation, RouteRequest
 from disagg.upstream import UpstreamStream, WorkerClient
 
@@ -33,11 +34,15 @@ class Route:
     context: str | None = None
     generation: str | None = None
     cached_tokens: int = 0
+    retries: int = 0
 
     def header(self) -> str:
         ctx = self.context or "-"
         gen = self.generation or "-"
-        return f"context={ctx}; generation={gen}; cached_tokens={self.cached_tokens}"
+        return (
+            f"context={ctx}; generation={gen}; cached_tokens={self.cached_tokens};"
+            f" retries={self.retries}"
+        )
 
 
 @dataclass
@@ -52,10 +57,15 @@ class Result:
 
 class Orchestrator:
     def __init__(
-        self, context_policy: Policy, generation_policy: Policy, client: WorkerClient
+        self,
+        context_policy: Policy,
+        generation_policy: Policy,
+        client: WorkerClient,
+        retry: RetryPolicy | None = None,
     ) -> None:
         self.context_policy, self.generation_policy = context_policy, generation_policy
         self.client = client
+        self.retry = retry or RetryPolicy()
         # Random high bits keep ids apart across restarts and replicas; the low 32 bits count.
         self._ids = itertools.count((secrets.randbits(31) << 32) + 1)
 
@@ -70,17 +80,67 @@ class Orchestrator:
         stream: bool,
         include_usage: bool,
     ) -> Result:
+        # The request keeps one id (its reservations are keyed by it); every attempt sends a
+        # fresh disagg_request_id.
         request = RouteRequest(self.next_id(), model)
-        route = Route()
-        ctx_resp, ctx = await self._context_leg(endpoint, body, request, route)
+        budget = self.retry.budget()
+        while True:
+            route = Route()
+            try:
+                result = await self._legs(
+                    endpoint, body, request, route, budget, stream, include_usage
+                )
+            except _Replan as replan:
+                # The generation leg failed after it may have paired with the KV transfer:
+                # that handoff can't be replayed, so plan the request again from its context leg.
+                if not budget.spend(replan.cause):
+                    raise replan.cause from None
+                request = request.avoiding(route.generation)
+                await self._pause(replan.cause)
+                continue
+            result.route.retries = budget.attempts - 1
+            return result
+
+    async def _legs(
+        self,
+        endpoint: Endpoint,
+        body: dict[str, Any],
+        request: RouteRequest,
+        route: Route,
+        budget: RetryBudget,
+        stream: bool,
+        include_usage: bool,
+    ) -> Result:
+        ctx_resp, ctx = await self._context_leg(endpoint, body, request, route, budget)
         if ctx.finished:
             if stream:
                 chunks = endpoint.finished_stream(ctx_resp, ctx, include_usage)
                 return Result(route, chunks=_iterate(chunks))
             return Result(route, body=endpoint.clean(ctx_resp, None))
-        return await self._generation_leg(endpoint, body, request, route, ctx, stream)
+        return await self._generation_leg(endpoint, body, request, route, ctx, stream, budget)
+
+    async def _pause(self, exc: DisaggError) -> None:
+        log.info("retrying after %s: %s", type(exc).__name__, exc.message)
+        await asyncio.sleep(self.retry.interval_s)
 
     async def _context_leg(
+        self,
+        endpoint: Endpoint,
+        body: dict[str, Any],
+        request: RouteRequest,
+        route: Route,
+        budget: RetryBudget,
+    ) -> tuple[dict[str, Any], ContextOutcome]:
+        while True:
+            try:
+                return await self._context_attempt(endpoint, body, request, route)
+            except DisaggError as exc:
+                if not budget.spend(exc):
+                    raise
+                request = request.avoiding(route.context)
+                await self._pause(exc)
+
+    async def _context_attempt(
         self, endpoint: Endpoint, body: dict[str, Any], request: RouteRequest, route: Route
     ) -> tuple[dict[str, Any], ContextOutcome]:
         reservation = Reservation(self.context_policy, request)
@@ -118,12 +178,38 @@ class Orchestrator:
         route: Route,
         ctx: ContextOutcome,
         stream: bool,
+        budget: RetryBudget,
     ) -> Result:
-        try:
-            reservation = Reservation(self.generation_policy, request)
-        except BaseException:
-            await self._release_context_kv(route, ctx)
-            raise
+        while True:
+            try:
+                return await self._generation_attempt(endpoint, body, request, route, ctx, stream)
+            except WorkerUnavailable as exc:
+                # Never connected: the KV is still pinned on the context worker, so the same
+                # handoff can go to another generation worker.
+                if exc.sent or not budget.spend(exc):
+                    await self._release_context_kv(route, ctx)
+                    raise _Replan(exc) from None
+                request = request.avoiding(route.generation)
+                await self._pause(exc)
+            except DisaggError as exc:
+                await self._release_context_kv(route, ctx)
+                if retryable(exc):
+                    raise _Replan(exc) from None
+                raise
+            except BaseException:
+                await self._release_context_kv(route, ctx)
+                raise
+
+    async def _generation_attempt(
+        self,
+        endpoint: Endpoint,
+        body: dict[str, Any],
+        request: RouteRequest,
+        route: Route,
+        ctx: ContextOutcome,
+        stream: bool,
+    ) -> Result:
+        reservation = Reservation(self.generation_policy, request)
         url = route.generation = reservation.worker.url
         try:
             payload = endpoint.generation_request(body, ctx, self.next_id())
@@ -135,9 +221,8 @@ class Orchestrator:
                 return Result(route, body=endpoint.clean(resp, ctx))
         except BaseException:
             reservation.finish(False)
-            await self._release_context_kv(route, ctx)
             raise
-        relay = _Relay(upstream, reservation)
+        relay = _Relay(upstream, reservation, lambda: self._release_context_kv(route, ctx))
         return Result(route, chunks=relay.chunks(), close=relay.close)
 
     async def _release_context_kv(self, route: Route, ctx: ContextOutcome) -> None:
@@ -148,11 +233,25 @@ class Orchestrator:
             await asyncio.shield(self.client.release_kv(route.context, rid))
 
 
+class _Replan(Exception):
+    """The generation leg failed in a way only a new context leg can cure."""
+
+    def __init__(self, cause: DisaggError) -> None:
+        super().__init__(cause.message)
+        self.cause = cause
+
+
 class _Relay:
     """Relays a worker's SSE bytes unchanged; finishes the reservation exactly once."""
 
-    def __init__(self, upstream: UpstreamStream, reservation: Reservation) -> None:
+    def __init__(
+        self,
+        upstream: UpstreamStream,
+        reservation: Reservation,
+        on_failure: Callable[[], Awaitable[None]],
+    ) -> None:
         self.upstream, self.reservation = upstream, reservation
+        self.on_failure = on_failure  # frees the context KV if the worker never fetched it
         self.ok = False
 
     async def chunks(self) -> AsyncIterator[bytes]:
@@ -163,6 +262,7 @@ class _Relay:
         except (aiohttp.ClientError, TimeoutError) as exc:
             # Bytes may already be with the client: end the stream with an error event.
             log.warning("generation stream from %s broke: %r", self.reservation.worker.url, exc)
+            await self.on_failure()
             err = DisaggError(f"generation worker stream failed: {type(exc).__name__}")
             err.status, err.type = 502, "upstream_error"
             yield sse_data(err.body())

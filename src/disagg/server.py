@@ -21,6 +21,7 @@ from disagg.formats import DONE, sse_data
 from disagg.http import error_middleware, json_response
 from disagg.orchestrator import Orchestrator
 from disagg.protocol import decode_body, validate
+from disagg.retry import RetryPolicy
 from disagg.routing import make_policy
 from disagg.upstream import WorkerClient
 
@@ -28,6 +29,12 @@ log = logging.getLogger(__name__)
 
 # Fields only the orchestrator may set on a leg; a client can never drive the handoff.
 INTERNAL_FIELDS = ("disaggregated_params", "prompt_token_ids")
+
+
+def retry_policy(config: ClusterConfig) -> RetryPolicy:
+    if config.disable_retries:
+        return RetryPolicy.off()
+    return RetryPolicy(config.max_retries, config.transient_retries, config.retry_interval)
 
 
 class Frontend:
@@ -39,6 +46,7 @@ class Frontend:
             make_policy(config.context.router.type, self.cluster.context),
             make_policy(config.generation.router.type, self.cluster.generation),
             self.client,
+            retry_policy(config),
         )
         self._health_session: aiohttp.ClientSession | None = None
         self.monitor: HealthMonitor | None = None

@@ -7,6 +7,7 @@ Upstream sends and receives; it never decides placement. Worker error statuses b
 
 from __future__ import annotations
 
+import errno
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
@@ -37,6 +38,23 @@ def worker_error(status: int, raw: bytes) -> UpstreamError:
         pass
     message = message or raw[:500].decode(errors="replace").strip()
     return UpstreamError(status, message or f"worker answered HTTP {status}", param=param)
+
+
+_TRANSIENT_ERRNOS = frozenset({errno.ECONNRESET, errno.EPIPE, errno.ECONNABORTED})
+
+
+def connection_error(url: str, exc: aiohttp.ClientError) -> WorkerUnavailable:
+    """Classify a client library error; resets may arrive wrapped in other error types."""
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        return WorkerUnavailable(f"cannot connect to worker {url}", sent=False)
+    transient = isinstance(exc, aiohttp.ServerDisconnectedError | ConnectionResetError)
+    cause: BaseException | None = exc
+    while cause is not None and not transient:
+        transient = isinstance(cause, ConnectionResetError | BrokenPipeError) or (
+            isinstance(cause, OSError) and cause.errno in _TRANSIENT_ERRNOS
+        )
+        cause = cause.__cause__ or cause.__context__
+    return WorkerUnavailable(f"worker {url} failed: {type(exc).__name__}", transient=transient)
 
 
 class UpstreamStream:
@@ -100,7 +118,7 @@ class WorkerClient:
         except TimeoutError:
             raise GatewayTimeout(f"worker {url} did not answer in time") from None
         except aiohttp.ClientError as exc:
-            raise WorkerUnavailable(f"worker {url} failed: {type(exc).__name__}") from None
+            raise connection_error(url, exc) from None
         except msgspec.DecodeError:
             raise WorkerUnavailable(f"worker {url} sent a malformed answer") from None
         if not isinstance(data, dict):
@@ -119,7 +137,7 @@ class WorkerClient:
         except TimeoutError:
             raise GatewayTimeout(f"worker {url} did not answer in time") from None
         except aiohttp.ClientError as exc:
-            raise WorkerUnavailable(f"worker {url} failed: {type(exc).__name__}") from None
+            raise connection_error(url, exc) from None
         if resp.status != 200:
             try:
                 raw = await resp.read()

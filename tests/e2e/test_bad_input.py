@@ -123,9 +123,7 @@ def test_client_disaggregated_params_are_stripped(cluster: Cluster) -> None:
 @pytest.fixture(scope="module")
 def broken_ctx_cluster(procs: Procs, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     with BrokenWorker() as url:
-        yield start_cluster(
-            procs, tmp_path_factory.mktemp("broken"), 0, 1, context_servers={"urls": [url]}
-        )
+        yield start_cluster(procs, tmp_path_factory.mktemp("broken"), 0, 1, extra_ctx=[url])
 
 
 def test_worker_5xx_becomes_502(broken_ctx_cluster: Cluster) -> None:

@@ -15,9 +15,7 @@ from tests.conftest import BrokenWorker, Cluster, Procs, assert_no_leaks, start_
 @pytest.fixture(scope="module")
 def broken_gen_cluster(procs: Procs, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     with BrokenWorker() as url:
-        c = start_cluster(
-            procs, tmp_path_factory.mktemp("brokengen"), 1, 0, generation_servers={"urls": [url]}
-        )
+        c = start_cluster(procs, tmp_path_factory.mktemp("brokengen"), 1, 0, extra_gen=[url])
         c.generation_urls = []  # the broken worker has no /stats to check
         yield c
 

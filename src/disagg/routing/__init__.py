@@ -7,7 +7,7 @@ picks one; the reservation it returns is finished exactly once.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 from disagg.cluster import Pool, WorkerState
@@ -22,6 +22,10 @@ class RouteRequest:
     request_id: int
     model: str
     prompt_len: int = 0
+    avoid: frozenset[str] = frozenset()  # workers that failed this request already
+
+    def avoiding(self, url: str | None) -> RouteRequest:
+        return replace(self, avoid=self.avoid | {url}) if url else self
 
 
 class Policy(Protocol):

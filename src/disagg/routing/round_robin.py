@@ -18,6 +18,8 @@ class RoundRobin:
             raise ServiceUnavailable(
                 f"no ready {self.pool.role} worker for model `{request.model}`"
             )
+        # A retry goes elsewhere when the pool has another ready worker.
+        ready = [w for w in ready if w.url not in request.avoid] or ready
         worker = ready[self._next % len(ready)]
         self._next += 1
         worker.in_flight += 1
