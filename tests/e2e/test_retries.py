@@ -127,3 +127,18 @@ def test_never_retried_once_bytes_reached_the_client(
     assert lines[-1] == "data: [DONE]"
     assert broken.hits == 1
     assert_no_leaks(c, timeout_s=2.0)
+
+
+@pytest.mark.parametrize("broken", ["500"], indirect=True)
+def test_client_cancels_while_a_retry_sleeps(procs: Procs, tmp: Path, broken: BrokenWorker) -> None:
+    c = start_cluster(procs, tmp, 0, 1, extra_ctx=[broken.url], max_retries=1, retry_interval=3.0)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(
+            c.url + "/v1/completions",
+            timeout=0.5,
+            json={"model": "tiny", "prompt": "x", "max_tokens": 4},
+        )
+    assert broken.hits == 1  # the retry was still sleeping when the client left
+    info = httpx.get(c.url + "/cluster_info").json()
+    assert all(w["in_flight"] == 0 for w in info["context_servers"] + info["generation_servers"])
+    assert_no_leaks(c)
