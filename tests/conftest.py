@@ -139,7 +139,8 @@ def assert_no_leaks(cluster: Cluster, timeout_s: float = 5.0) -> None:
 class BrokenWorker:
     """A real HTTP server on loopback that looks healthy but fails every inference request,
     run on its own thread; `with BrokenWorker(mode) as url:`. Modes: "500", "400", "reset"
-    (drops the connection without answering), "partial" (streams one chunk, then drops).
+    (drops the connection without answering), "partial" (streams one chunk, then drops),
+    "hang" (never answers), "partial_hang" (streams one chunk, then nothing).
     `hits` counts the inference requests it received."""
 
     def __init__(self, mode: str = "500") -> None:
@@ -147,6 +148,7 @@ class BrokenWorker:
         self.mode = mode
         self.hits = 0
         self.url = f"http://127.0.0.1:{self.port}"
+        self._released = asyncio.Event()  # ends the hanging handlers at exit
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.runner = web.AppRunner(self._app())
@@ -159,10 +161,14 @@ class BrokenWorker:
             assert request.transport is not None
             request.transport.close()
             raise asyncio.CancelledError
-        if self.mode == "partial":
+        if self.mode == "hang":
+            await self._released.wait()
+        if self.mode in ("partial", "partial_hang"):
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
             await resp.prepare(request)
             await resp.write(b'data: {"choices": [{"index": 0, "text": "A"}]}\n\n')
+            if self.mode == "partial_hang":
+                await self._released.wait()
             assert request.transport is not None
             request.transport.close()
             return resp
@@ -193,6 +199,7 @@ class BrokenWorker:
         return self.url
 
     def __exit__(self, *exc: object) -> None:
+        self.loop.call_soon_threadsafe(self._released.set)
         asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(10)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(5)

@@ -158,6 +158,10 @@ _OWN_KEYS = frozenset(
         "max_tokens_limit",
         "log_level",
         "transient_retries",
+        "connect_timeout",
+        "context_timeout",
+        "first_token_timeout",
+        "stream_idle_timeout",
         "retry_interval",
         "disable_retries",
     }
@@ -211,6 +215,10 @@ class ClusterConfig:
     max_tokens_limit: int = 1_000_000
     log_level: str = "info"
     transient_retries: int = 5  # extra budget for TCP resets / server disconnected
+    connect_timeout: float = 5.0  # s to open a connection to a worker
+    context_timeout: float = 180.0  # s for one context leg attempt
+    first_token_timeout: float = 180.0  # s from sending a generation leg to its first byte
+    stream_idle_timeout: float = 60.0  # s without a chunk from a streaming worker
     retry_interval: float = 1.0  # seconds between attempts
     disable_retries: bool = False  # also set by DISAGG_NO_RETRY=1
 
@@ -471,7 +479,14 @@ def _own_fields(top: Mapping[str, Any]) -> dict[str, Any]:
         fields["worker_startup_timeout"] = _seconds(
             value, "worker_startup_timeout", allow_zero=True
         )
-    for key in ("health_check_interval", "request_timeout"):
+    for key in (
+        "health_check_interval",
+        "request_timeout",
+        "connect_timeout",
+        "context_timeout",
+        "first_token_timeout",
+        "stream_idle_timeout",
+    ):
         if key in top:
             fields[key] = _seconds(top[key], key)
     for key in ("max_request_body_bytes", "max_tokens_limit"):
@@ -575,6 +590,10 @@ def config_to_dict(cfg: ClusterConfig) -> dict[str, Any]:
         "max_tokens_limit": cfg.max_tokens_limit,
         "log_level": cfg.log_level,
         "transient_retries": cfg.transient_retries,
+        "connect_timeout": cfg.connect_timeout,
+        "context_timeout": cfg.context_timeout,
+        "first_token_timeout": cfg.first_token_timeout,
+        "stream_idle_timeout": cfg.stream_idle_timeout,
         "retry_interval": cfg.retry_interval,
         "disable_retries": cfg.disable_retries,
         "context_servers": _pool_to_dict(cfg.context),

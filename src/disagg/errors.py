@@ -100,3 +100,7 @@ class ServiceUnavailable(DisaggError):
 class GatewayTimeout(DisaggError):
     status = 504
     type = "timeout"
+
+
+class DeadlineExceeded(GatewayTimeout):
+    """The whole request's deadline passed: nothing more is tried."""

@@ -18,7 +18,7 @@ from typing import Any
 import aiohttp
 
 from disagg.endpoints import ContextOutcome, Endpoint
-from disagg.errors import DisaggError, WorkerUnavailable
+from disagg.errors import DeadlineExceeded, DisaggError, GatewayTimeout, WorkerUnavailable
 from disagg.formats import DONE, sse_data
 from disagg.retry import RetryBudget, RetryPolicy, retryable
 from disagg.routing import Policy, Reservation, RouteRequest
@@ -35,6 +35,15 @@ class Route:
     generation: str | None = None
     cached_tokens: int = 0
     retries: int = 0
+    deadline: float = float("inf")  # loop time by which the whole request must be done
+
+    def left(self, limit_s: float) -> float:
+        """`limit_s`, cut to what is left of the request's deadline (never 0, which the
+        client library would read as "no timeout")."""
+        left = self.deadline - asyncio.get_running_loop().time()
+        if left <= 0.001:
+            raise DeadlineExceeded("the request deadline passed")
+        return min(limit_s, left)
 
     def header(self) -> str:
         ctx = self.context or "-"
@@ -43,6 +52,16 @@ class Route:
             f"context={ctx}; generation={gen}; cached_tokens={self.cached_tokens};"
             f" retries={self.retries}"
         )
+
+
+@dataclass(frozen=True)
+class Deadlines:
+    """Per-leg and whole-request time limits, in seconds."""
+
+    context_s: float = 180.0  # one context leg attempt
+    first_token_s: float = 180.0  # a generation leg until the worker starts answering
+    stream_idle_s: float = 60.0  # between two chunks of a stream
+    request_s: float = 180.0  # the whole request, retries included
 
 
 @dataclass
@@ -62,10 +81,12 @@ class Orchestrator:
         generation_policy: Policy,
         client: WorkerClient,
         retry: RetryPolicy | None = None,
+        deadlines: Deadlines | None = None,
     ) -> None:
         self.context_policy, self.generation_policy = context_policy, generation_policy
         self.client = client
         self.retry = retry or RetryPolicy()
+        self.deadlines = deadlines or Deadlines()
         # Random high bits keep ids apart across restarts and replicas; the low 32 bits count.
         self._ids = itertools.count((secrets.randbits(31) << 32) + 1)
 
@@ -83,9 +104,31 @@ class Orchestrator:
         # The request keeps one id (its reservations are keyed by it); every attempt sends a
         # fresh disagg_request_id.
         request = RouteRequest(self.next_id(), model)
+        deadline = asyncio.get_running_loop().time() + self.deadlines.request_s
+        # Each leg's timeout is cut to the deadline (Route.left); the outer timeout also
+        # covers the awaits that carry no timeout of their own.
+        try:
+            async with asyncio.timeout_at(deadline):
+                return await self._attempts(
+                    endpoint, body, request, stream, include_usage, deadline
+                )
+        except (TimeoutError, DeadlineExceeded):
+            raise DeadlineExceeded(
+                f"the request did not finish within {self.deadlines.request_s:g} s"
+            ) from None
+
+    async def _attempts(
+        self,
+        endpoint: Endpoint,
+        body: dict[str, Any],
+        request: RouteRequest,
+        stream: bool,
+        include_usage: bool,
+        deadline: float,
+    ) -> Result:
         budget = self.retry.budget()
         while True:
-            route = Route()
+            route = Route(deadline=deadline)
             try:
                 result = await self._legs(
                     endpoint, body, request, route, budget, stream, include_usage
@@ -96,7 +139,7 @@ class Orchestrator:
                 if not budget.spend(replan.cause):
                     raise replan.cause from None
                 request = request.avoiding(route.generation)
-                await self._pause(replan.cause)
+                await self._pause(replan.cause, route)
                 continue
             result.route.retries = budget.attempts - 1
             return result
@@ -119,9 +162,9 @@ class Orchestrator:
             return Result(route, body=endpoint.clean(ctx_resp, None))
         return await self._generation_leg(endpoint, body, request, route, ctx, stream, budget)
 
-    async def _pause(self, exc: DisaggError) -> None:
+    async def _pause(self, exc: DisaggError, route: Route) -> None:
         log.info("retrying after %s: %s", type(exc).__name__, exc.message)
-        await asyncio.sleep(self.retry.interval_s)
+        await asyncio.sleep(route.left(self.retry.interval_s))
 
     async def _context_leg(
         self,
@@ -138,7 +181,7 @@ class Orchestrator:
                 if not budget.spend(exc):
                     raise
                 request = request.avoiding(route.context)
-                await self._pause(exc)
+                await self._pause(exc, route)
 
     async def _context_attempt(
         self, endpoint: Endpoint, body: dict[str, Any], request: RouteRequest, route: Route
@@ -148,7 +191,9 @@ class Orchestrator:
         ok = False
         try:
             payload = endpoint.context_request(body, self.next_id())
-            resp = await self.client.post(reservation.worker.url, endpoint.path, payload)
+            resp = await self.client.post(
+                reservation.worker.url, endpoint.path, payload, route.left(self.deadlines.context_s)
+            )
             try:
                 ctx = endpoint.outcome(resp, endpoint.budget(body))
                 route.cached_tokens = int(
@@ -190,7 +235,7 @@ class Orchestrator:
                     await self._release_context_kv(route, ctx)
                     raise _Replan(exc) from None
                 request = request.avoiding(route.generation)
-                await self._pause(exc)
+                await self._pause(exc, route)
             except DisaggError as exc:
                 await self._release_context_kv(route, ctx)
                 if retryable(exc):
@@ -214,15 +259,25 @@ class Orchestrator:
         try:
             payload = endpoint.generation_request(body, ctx, self.next_id())
             if stream:
-                upstream = await self.client.open_stream(url, endpoint.path, payload)
+                upstream = await self.client.open_stream(
+                    url, endpoint.path, payload, route.left(self.deadlines.first_token_s)
+                )
             else:
-                resp = await self.client.post(url, endpoint.path, payload)
+                resp = await self.client.post(
+                    url, endpoint.path, payload, route.left(self.deadlines.request_s)
+                )
                 reservation.finish(True)
                 return Result(route, body=endpoint.clean(resp, ctx))
         except BaseException:
             reservation.finish(False)
             raise
-        relay = _Relay(upstream, reservation, lambda: self._release_context_kv(route, ctx))
+        relay = _Relay(
+            upstream,
+            reservation,
+            lambda: self._release_context_kv(route, ctx),
+            self.deadlines.stream_idle_s,
+            route.deadline,
+        )
         return Result(route, chunks=relay.chunks(), close=relay.close)
 
     async def _release_context_kv(self, route: Route, ctx: ContextOutcome) -> None:
@@ -249,28 +304,41 @@ class _Relay:
         upstream: UpstreamStream,
         reservation: Reservation,
         on_failure: Callable[[], Awaitable[None]],
+        idle_s: float,
+        deadline: float,
     ) -> None:
         self.upstream, self.reservation = upstream, reservation
         self.on_failure = on_failure  # frees the context KV if the worker never fetched it
+        self.idle_s, self.deadline = idle_s, deadline
         self.ok = False
 
     async def chunks(self) -> AsyncIterator[bytes]:
+        loop = asyncio.get_running_loop()
         try:
-            async for chunk in self.upstream.chunks():
+            while True:
+                left = self.deadline - loop.time()
+                chunk = await self.upstream.next_chunk(max(0.0, min(self.idle_s, left)))
+                if not chunk:
+                    break
                 yield chunk
             self.ok = True
         except (aiohttp.ClientError, TimeoutError) as exc:
             # Bytes may already be with the client: end the stream with an error event.
             log.warning("generation stream from %s broke: %r", self.reservation.worker.url, exc)
             await self.on_failure()
-            err = DisaggError(f"generation worker stream failed: {type(exc).__name__}")
-            err.status, err.type = 502, "upstream_error"
-            yield sse_data(err.body())
+            yield sse_data(_stream_error(exc, self.deadline - loop.time()).body())
             yield DONE
 
     def close(self) -> None:
         self.upstream.close()
         self.reservation.finish(self.ok)
+
+
+def _stream_error(exc: BaseException, left_s: float) -> DisaggError:
+    if isinstance(exc, TimeoutError):
+        what = "the request deadline passed" if left_s <= 0 else "the stream went idle"
+        return GatewayTimeout(f"generation stream timed out: {what}")
+    return WorkerUnavailable(f"generation worker stream failed: {type(exc).__name__}")
 
 
 async def _iterate(chunks: list[bytes]) -> AsyncIterator[bytes]:

@@ -55,6 +55,7 @@ class _Sampling(msgspec.Struct, kw_only=True):
     stop: str | list[str] | None = None
     user: str | None = None
     logprobs: Any = None
+    ignore_eos: bool = False  # vLLM / TensorRT-LLM extension
     disaggregated_params: DisaggregatedParams | None = None
 
 

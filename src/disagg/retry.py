@@ -9,7 +9,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from disagg.errors import DisaggError, GatewayTimeout, UpstreamError, WorkerUnavailable
+from disagg.errors import (
+    DeadlineExceeded,
+    DisaggError,
+    GatewayTimeout,
+    UpstreamError,
+    WorkerUnavailable,
+)
 
 
 @dataclass(frozen=True)
@@ -57,4 +63,6 @@ def retryable(exc: DisaggError) -> bool:
     """Worker faults are; the client's own mistakes (4xx) and capacity (503) are not."""
     if isinstance(exc, UpstreamError):
         return exc.status >= 500
+    if isinstance(exc, DeadlineExceeded):
+        return False
     return isinstance(exc, WorkerUnavailable | GatewayTimeout)

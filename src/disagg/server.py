@@ -19,7 +19,7 @@ from disagg.endpoints import ENDPOINTS, Endpoint
 from disagg.errors import DisaggError, InvalidRequest, ModelNotFound, ServiceUnavailable
 from disagg.formats import DONE, sse_data
 from disagg.http import error_middleware, json_response
-from disagg.orchestrator import Orchestrator
+from disagg.orchestrator import Deadlines, Orchestrator
 from disagg.protocol import decode_body, validate
 from disagg.retry import RetryPolicy
 from disagg.routing import make_policy
@@ -41,12 +41,18 @@ class Frontend:
     def __init__(self, config: ClusterConfig) -> None:
         self.config = config
         self.cluster = Cluster(StaticDiscovery(config.context.urls, config.generation.urls))
-        self.client = WorkerClient(config.request_timeout)
+        self.client = WorkerClient(config.connect_timeout)
         self.orchestrator = Orchestrator(
             make_policy(config.context.router.type, self.cluster.context),
             make_policy(config.generation.router.type, self.cluster.generation),
             self.client,
             retry_policy(config),
+            Deadlines(
+                config.context_timeout,
+                config.first_token_timeout,
+                config.stream_idle_timeout,
+                config.request_timeout,
+            ),
         )
         self._health_session: aiohttp.ClientSession | None = None
         self.monitor: HealthMonitor | None = None

@@ -7,9 +7,9 @@ Upstream sends and receives; it never decides placement. Worker error statuses b
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import logging
-from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
@@ -63,9 +63,10 @@ class UpstreamStream:
     def __init__(self, resp: aiohttp.ClientResponse) -> None:
         self._resp = resp
 
-    async def chunks(self) -> AsyncIterator[bytes]:
-        async for chunk in self._resp.content.iter_any():
-            yield chunk
+    async def next_chunk(self, timeout_s: float) -> bytes:
+        """The next bytes as they arrive (b"" at the end); TimeoutError after `timeout_s`."""
+        async with asyncio.timeout(timeout_s):
+            return await self._resp.content.readany()
 
     def close(self) -> None:
         # close() (not release()) so an unfinished stream drops the connection, which tells
@@ -77,13 +78,8 @@ class UpstreamStream:
 
 
 class WorkerClient:
-    def __init__(self, request_timeout_s: float, connect_timeout_s: float = 5.0) -> None:
-        self._timeout = aiohttp.ClientTimeout(
-            total=request_timeout_s, sock_connect=connect_timeout_s
-        )
-        self._stream_timeout = aiohttp.ClientTimeout(
-            total=None, sock_connect=connect_timeout_s, sock_read=request_timeout_s
-        )
+    def __init__(self, connect_timeout_s: float = 5.0) -> None:
+        self._connect_s = connect_timeout_s
         self._release_timeout = aiohttp.ClientTimeout(total=connect_timeout_s)
         self._session: aiohttp.ClientSession | None = None
 
@@ -103,11 +99,14 @@ class WorkerClient:
             await self._session.close()
             self._session = None
 
-    async def post(self, url: str, path: str, payload: dict[str, Any]) -> dict[str, Any]:
-        """POST a leg and return its JSON answer."""
+    async def post(
+        self, url: str, path: str, payload: dict[str, Any], timeout_s: float
+    ) -> dict[str, Any]:
+        """POST a leg and return its JSON answer within `timeout_s`."""
+        timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=self._connect_s)
         try:
             async with self.session.post(
-                url + path, data=encode_msgpack(payload), headers=HEADERS, timeout=self._timeout
+                url + path, data=encode_msgpack(payload), headers=HEADERS, timeout=timeout
             ) as resp:
                 raw = await resp.read()
                 if resp.status != 200:
@@ -125,15 +124,17 @@ class WorkerClient:
             raise WorkerUnavailable(f"worker {url} sent a malformed answer")
         return data
 
-    async def open_stream(self, url: str, path: str, payload: dict[str, Any]) -> UpstreamStream:
-        """POST a streamed leg; returns once the worker accepted it (status 200)."""
+    async def open_stream(
+        self, url: str, path: str, payload: dict[str, Any], first_byte_s: float
+    ) -> UpstreamStream:
+        """POST a streamed leg; returns once the worker accepted it (status 200), which must
+        happen within `first_byte_s`. Chunk deadlines are the reader's business."""
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=self._connect_s)
         try:
-            resp = await self.session.post(
-                url + path,
-                data=encode_msgpack(payload),
-                headers=HEADERS,
-                timeout=self._stream_timeout,
-            )
+            async with asyncio.timeout(first_byte_s):
+                resp = await self.session.post(
+                    url + path, data=encode_msgpack(payload), headers=HEADERS, timeout=timeout
+                )
         except TimeoutError:
             raise GatewayTimeout(f"worker {url} did not answer in time") from None
         except aiohttp.ClientError as exc:

@@ -84,6 +84,7 @@ def _sampling(req: Any, max_tokens: int, stop: Any) -> SamplingParams:
         top_k=getattr(req, "top_k", None) or 0,
         seed=getattr(req, "seed", None),
         stop=stops,
+        ignore_eos=bool(getattr(req, "ignore_eos", False)),
     )
 
 
