@@ -149,6 +149,7 @@ _WORKER_KEYS = frozenset(
         "cuda_graph_padding_enabled",
     }
 )
+PREFILL_FAILURE_POLICIES = ("retry", "local", "fail")
 _OWN_KEYS = frozenset(
     {
         "worker_startup_timeout",
@@ -158,6 +159,8 @@ _OWN_KEYS = frozenset(
         "max_tokens_limit",
         "log_level",
         "transient_retries",
+        "on_prefill_failure",
+        "failure_policy_header",
         "connect_timeout",
         "context_timeout",
         "first_token_timeout",
@@ -215,6 +218,8 @@ class ClusterConfig:
     max_tokens_limit: int = 1_000_000
     log_level: str = "info"
     transient_retries: int = 5  # extra budget for TCP resets / server disconnected
+    on_prefill_failure: str = "retry"  # retry | local | fail
+    failure_policy_header: bool = True  # clients may override it per request
     connect_timeout: float = 5.0  # s to open a connection to a worker
     context_timeout: float = 180.0  # s for one context leg attempt
     first_token_timeout: float = 180.0  # s from sending a generation leg to its first byte
@@ -498,6 +503,17 @@ def _own_fields(top: Mapping[str, Any]) -> dict[str, Any]:
         fields["retry_interval"] = _seconds(
             top["retry_interval"], "retry_interval", allow_zero=True
         )
+    if "on_prefill_failure" in top:
+        fields["on_prefill_failure"] = _choice(
+            top["on_prefill_failure"], "on_prefill_failure", PREFILL_FAILURE_POLICIES
+        )
+    if "failure_policy_header" in top:
+        value = top["failure_policy_header"]
+        if not isinstance(value, bool):
+            raise ConfigError(
+                "failure_policy_header", f"expected true or false, got {_kind(value)}"
+            )
+        fields["failure_policy_header"] = value
     if "disable_retries" in top:
         value = top["disable_retries"]
         if not isinstance(value, bool):
@@ -590,6 +606,8 @@ def config_to_dict(cfg: ClusterConfig) -> dict[str, Any]:
         "max_tokens_limit": cfg.max_tokens_limit,
         "log_level": cfg.log_level,
         "transient_retries": cfg.transient_retries,
+        "on_prefill_failure": cfg.on_prefill_failure,
+        "failure_policy_header": cfg.failure_policy_header,
         "connect_timeout": cfg.connect_timeout,
         "context_timeout": cfg.context_timeout,
         "first_token_timeout": cfg.first_token_timeout,

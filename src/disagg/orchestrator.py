@@ -18,7 +18,14 @@ from typing import Any
 import aiohttp
 
 from disagg.endpoints import ContextOutcome, Endpoint
-from disagg.errors import DeadlineExceeded, DisaggError, GatewayTimeout, WorkerUnavailable
+from disagg.errors import (
+    DeadlineExceeded,
+    DisaggError,
+    GatewayTimeout,
+    ServiceUnavailable,
+    UpstreamError,
+    WorkerUnavailable,
+)
 from disagg.formats import DONE, sse_data
 from disagg.retry import RetryBudget, RetryPolicy, retryable
 from disagg.routing import Policy, Reservation, RouteRequest
@@ -64,6 +71,18 @@ class Deadlines:
     request_s: float = 180.0  # the whole request, retries included
 
 
+@dataclass(frozen=True)
+class Job:
+    """One client request as the orchestrator runs it."""
+
+    endpoint: Endpoint
+    body: dict[str, Any]  # validated, internal fields stripped, unknown fields kept
+    model: str
+    stream: bool
+    include_usage: bool
+    on_prefill_failure: str = "retry"  # retry | local (aggregated on a generation worker) | fail
+
+
 @dataclass
 class Result:
     """A whole answer (`body`) or a stream (`chunks`, which must be closed)."""
@@ -93,46 +112,27 @@ class Orchestrator:
     def next_id(self) -> int:
         return next(self._ids)
 
-    async def run(
-        self,
-        endpoint: Endpoint,
-        body: dict[str, Any],
-        model: str,
-        stream: bool,
-        include_usage: bool,
-    ) -> Result:
+    async def run(self, job: Job) -> Result:
         # The request keeps one id (its reservations are keyed by it); every attempt sends a
         # fresh disagg_request_id.
-        request = RouteRequest(self.next_id(), model)
+        request = RouteRequest(self.next_id(), job.model)
         deadline = asyncio.get_running_loop().time() + self.deadlines.request_s
         # Each leg's timeout is cut to the deadline (Route.left); the outer timeout also
         # covers the awaits that carry no timeout of their own.
         try:
             async with asyncio.timeout_at(deadline):
-                return await self._attempts(
-                    endpoint, body, request, stream, include_usage, deadline
-                )
+                return await self._attempts(job, request, deadline)
         except (TimeoutError, DeadlineExceeded):
             raise DeadlineExceeded(
                 f"the request did not finish within {self.deadlines.request_s:g} s"
             ) from None
 
-    async def _attempts(
-        self,
-        endpoint: Endpoint,
-        body: dict[str, Any],
-        request: RouteRequest,
-        stream: bool,
-        include_usage: bool,
-        deadline: float,
-    ) -> Result:
+    async def _attempts(self, job: Job, request: RouteRequest, deadline: float) -> Result:
         budget = self.retry.budget()
         while True:
             route = Route(deadline=deadline)
             try:
-                result = await self._legs(
-                    endpoint, body, request, route, budget, stream, include_usage
-                )
+                result = await self._legs(job, request, route, budget)
             except _Replan as replan:
                 # The generation leg failed after it may have paired with the KV transfer:
                 # that handoff can't be replayed, so plan the request again from its context leg.
@@ -145,19 +145,25 @@ class Orchestrator:
             return result
 
     async def _legs(
-        self,
-        endpoint: Endpoint,
-        body: dict[str, Any],
-        request: RouteRequest,
-        route: Route,
-        budget: RetryBudget,
-        stream: bool,
-        include_usage: bool,
+        self, job: Job, request: RouteRequest, route: Route, budget: RetryBudget
     ) -> Result:
-        ctx_resp, ctx = await self._context_leg(endpoint, body, request, route, budget)
+        endpoint, body, stream = job.endpoint, job.body, job.stream
+        try:
+            ctx_budget = RetryPolicy.off().budget() if job.on_prefill_failure == "fail" else budget
+            ctx_resp, ctx = await self._context_leg(endpoint, body, request, route, ctx_budget)
+        except DisaggError as exc:
+            if job.on_prefill_failure == "retry" or not _worker_fault(exc):
+                raise
+            if job.on_prefill_failure == "fail":
+                raise ServiceUnavailable(
+                    f"the context leg failed and this request does not fall back: {exc.message}"
+                ) from None
+            log.info("context leg failed (%s); prefilling on a generation worker", exc.message)
+            route.context = None
+            return await self._generation_attempt(endpoint, body, request, route, None, stream)
         if ctx.finished:
             if stream:
-                chunks = endpoint.finished_stream(ctx_resp, ctx, include_usage)
+                chunks = endpoint.finished_stream(ctx_resp, ctx, job.include_usage)
                 return Result(route, chunks=_iterate(chunks))
             return Result(route, body=endpoint.clean(ctx_resp, None))
         return await self._generation_leg(endpoint, body, request, route, ctx, stream, budget)
@@ -251,13 +257,18 @@ class Orchestrator:
         body: dict[str, Any],
         request: RouteRequest,
         route: Route,
-        ctx: ContextOutcome,
+        ctx: ContextOutcome | None,
         stream: bool,
     ) -> Result:
+        """One generation-pool attempt: the generation leg of `ctx`, or without a context leg
+        (None) the whole request, aggregated, on a generation worker."""
         reservation = Reservation(self.generation_policy, request)
         url = route.generation = reservation.worker.url
         try:
-            payload = endpoint.generation_request(body, ctx, self.next_id())
+            if ctx is None:
+                payload = body
+            else:
+                payload = endpoint.generation_request(body, ctx, self.next_id())
             if stream:
                 upstream = await self.client.open_stream(
                     url, endpoint.path, payload, route.left(self.deadlines.first_token_s)
@@ -280,12 +291,21 @@ class Orchestrator:
         )
         return Result(route, chunks=relay.chunks(), close=relay.close)
 
-    async def _release_context_kv(self, route: Route, ctx: ContextOutcome) -> None:
+    async def _release_context_kv(self, route: Route, ctx: ContextOutcome | None) -> None:
         """The generation leg failed: free the context worker's pinned KV now, not at lease
         expiry (a no-op when the generation worker already fetched it)."""
+        if ctx is None:
+            return
         rid = ctx.params.get("ctx_request_id")
         if route.context is not None and isinstance(rid, int):
             await asyncio.shield(self.client.release_kv(route.context, rid))
+
+
+def _worker_fault(exc: DisaggError) -> bool:
+    """A failure of the pool (not of the client's request) that a fallback may cure."""
+    return retryable(exc) or (
+        isinstance(exc, ServiceUnavailable) and not isinstance(exc, UpstreamError)
+    )
 
 
 class _Replan(Exception):

@@ -14,12 +14,12 @@ import aiohttp
 from aiohttp import web
 
 from disagg.cluster import Cluster, HealthMonitor, StaticDiscovery
-from disagg.config import ClusterConfig
+from disagg.config import PREFILL_FAILURE_POLICIES, ClusterConfig
 from disagg.endpoints import ENDPOINTS, Endpoint
 from disagg.errors import DisaggError, InvalidRequest, ModelNotFound, ServiceUnavailable
 from disagg.formats import DONE, sse_data
 from disagg.http import error_middleware, json_response
-from disagg.orchestrator import Deadlines, Orchestrator
+from disagg.orchestrator import Deadlines, Job, Orchestrator
 from disagg.protocol import decode_body, validate
 from disagg.retry import RetryPolicy
 from disagg.routing import make_policy
@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 
 # Fields only the orchestrator may set on a leg; a client can never drive the handoff.
 INTERNAL_FIELDS = ("disaggregated_params", "prompt_token_ids")
+PREFILL_FAILURE_HEADER = "x-disagg-on-prefill-failure"
 
 
 def retry_policy(config: ClusterConfig) -> RetryPolicy:
@@ -142,13 +143,31 @@ class Frontend:
             raise ModelNotFound(typed.model)
         return body, typed
 
+    def _prefill_failure_policy(self, request: web.Request) -> str:
+        value = request.headers.get(PREFILL_FAILURE_HEADER)
+        if value is None or not self.config.failure_policy_header:
+            return self.config.on_prefill_failure
+        if value not in PREFILL_FAILURE_POLICIES:
+            raise InvalidRequest(
+                f"header {PREFILL_FAILURE_HEADER} must be one of"
+                f" {', '.join(PREFILL_FAILURE_POLICIES)}, got {value!r}",
+                param=PREFILL_FAILURE_HEADER,
+            )
+        return value
+
     async def _handle(self, request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
         body, typed = self._parse(await request.read(), endpoint)
         opts = getattr(typed, "stream_options", None)
         include_usage = bool(opts and opts.include_usage) or endpoint.path == "/v1/responses"
-        result = await self.orchestrator.run(
-            endpoint, body, typed.model, typed.stream, include_usage
+        job = Job(
+            endpoint,
+            body,
+            typed.model,
+            typed.stream,
+            include_usage,
+            self._prefill_failure_policy(request),
         )
+        result = await self.orchestrator.run(job)
         headers = {"x-disagg-route": result.route.header()}
         if result.body is not None:
             return json_response(result.body, headers=headers)
