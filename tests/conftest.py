@@ -9,6 +9,7 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -204,6 +205,20 @@ class BrokenWorker:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(5)
         self.loop.close()
+
+
+@pytest.fixture
+def broken(request: pytest.FixtureRequest) -> Iterator[BrokenWorker]:
+    """A BrokenWorker in the mode given by indirect parametrization."""
+    worker = BrokenWorker(request.param)
+    with worker:
+        yield worker
+
+
+def route_of(response: Any) -> dict[str, str]:
+    """The `x-disagg-route` header of an httpx or openai raw response, as a dict."""
+    header: str = response.headers["x-disagg-route"]
+    return dict(part.split("=", 1) for part in header.split("; "))
 
 
 os.environ.setdefault("OPENAI_API_KEY", "unused")

@@ -8,18 +8,14 @@ import json
 import httpx
 import openai
 
-from tests.conftest import Cluster, assert_no_leaks
-
-
-def _route(headers: httpx.Headers) -> dict[str, str]:
-    return dict(p.split("=", 1) for p in headers["x-disagg-route"].split("; "))
+from tests.conftest import Cluster, assert_no_leaks, route_of
 
 
 def test_max_tokens_one_skips_generation(cluster: Cluster, mixed_worker: str) -> None:
     body = {"model": "tiny", "prompt": "One token only", "max_tokens": 1, "temperature": 0}
     r = httpx.post(cluster.url + "/v1/completions", json=body, timeout=60)
     assert r.status_code == 200
-    assert _route(r.headers)["generation"] == "-"
+    assert route_of(r)["generation"] == "-"
     direct = httpx.post(mixed_worker + "/v1/completions", json=body, timeout=60).json()
     out = r.json()
     assert out["choices"][0]["text"] == direct["choices"][0]["text"]
@@ -66,7 +62,7 @@ def test_stop_string_at_first_token(cluster: Cluster, mixed_worker: str) -> None
     out = r.json()
     assert out["choices"][0]["finish_reason"] == "stop"
     assert out["choices"][0]["text"] == ""
-    assert _route(r.headers)["generation"] == "-"
+    assert route_of(r)["generation"] == "-"
     assert_no_leaks(cluster)
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -13,18 +12,6 @@ import pytest
 from tests.conftest import BrokenWorker, Procs, assert_no_leaks, start_cluster
 
 NO_RETRY = {"disable_retries": True}
-
-
-@pytest.fixture
-def tmp(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("deadline")
-
-
-@pytest.fixture
-def broken(request: pytest.FixtureRequest) -> Iterator[BrokenWorker]:
-    worker = BrokenWorker(request.param)
-    with worker:
-        yield worker
 
 
 def _timed_post(url: str, **body: object) -> tuple[httpx.Response, float]:
@@ -38,8 +25,10 @@ def _timed_post(url: str, **body: object) -> tuple[httpx.Response, float]:
 
 
 @pytest.mark.parametrize("broken", ["hang"], indirect=True)
-def test_context_leg_deadline(procs: Procs, tmp: Path, broken: BrokenWorker) -> None:
-    c = start_cluster(procs, tmp, 0, 1, extra_ctx=[broken.url], context_timeout=0.5, **NO_RETRY)
+def test_context_leg_deadline(procs: Procs, tmp_path: Path, broken: BrokenWorker) -> None:
+    c = start_cluster(
+        procs, tmp_path, 0, 1, extra_ctx=[broken.url], context_timeout=0.5, **NO_RETRY
+    )
     r, took = _timed_post(c.url)
     assert r.status_code == 504 and r.json()["error"]["type"] == "timeout"
     assert 0.4 < took < 3.0
@@ -48,11 +37,11 @@ def test_context_leg_deadline(procs: Procs, tmp: Path, broken: BrokenWorker) -> 
 @pytest.mark.parametrize("broken", ["hang"], indirect=True)
 @pytest.mark.parametrize("stream", [False, True])
 def test_first_token_deadline_releases_context_kv(
-    procs: Procs, tmp: Path, broken: BrokenWorker, stream: bool
+    procs: Procs, tmp_path: Path, broken: BrokenWorker, stream: bool
 ) -> None:
     c = start_cluster(
         procs,
-        tmp,
+        tmp_path,
         1,
         0,
         extra_gen=[broken.url],
@@ -67,8 +56,10 @@ def test_first_token_deadline_releases_context_kv(
 
 
 @pytest.mark.parametrize("broken", ["partial_hang"], indirect=True)
-def test_stream_idle_deadline(procs: Procs, tmp: Path, broken: BrokenWorker) -> None:
-    c = start_cluster(procs, tmp, 1, 0, extra_gen=[broken.url], stream_idle_timeout=0.5, **NO_RETRY)
+def test_stream_idle_deadline(procs: Procs, tmp_path: Path, broken: BrokenWorker) -> None:
+    c = start_cluster(
+        procs, tmp_path, 1, 0, extra_gen=[broken.url], stream_idle_timeout=0.5, **NO_RETRY
+    )
     start = time.monotonic()
     with httpx.stream(
         "POST",
@@ -84,8 +75,8 @@ def test_stream_idle_deadline(procs: Procs, tmp: Path, broken: BrokenWorker) -> 
     assert_no_leaks(c, timeout_s=2.0)
 
 
-def test_whole_request_deadline(procs: Procs, tmp: Path) -> None:
-    c = start_cluster(procs, tmp, 1, 1, request_timeout=0.3)
+def test_whole_request_deadline(procs: Procs, tmp_path: Path) -> None:
+    c = start_cluster(procs, tmp_path, 1, 1, request_timeout=0.3)
     r, took = _timed_post(c.url, max_tokens=3000, prompt="y" * 1000, ignore_eos=True)
     assert r.status_code == 504, r.text
     assert took < 2.0

@@ -6,7 +6,7 @@ import httpx
 import openai
 import pytest
 
-from tests.conftest import Cluster, assert_no_leaks
+from tests.conftest import Cluster, assert_no_leaks, route_of
 
 
 @pytest.fixture(params=["1x1", "2x2"])
@@ -146,7 +146,7 @@ def test_route_header_and_round_robin(cluster2: Cluster) -> None:
         raw = c.completions.with_raw_response.create(
             model="tiny", prompt=f"rr {i}", max_tokens=3, temperature=0
         )
-        route = dict(part.split("=", 1) for part in raw.headers["x-disagg-route"].split("; "))
+        route = route_of(raw)
         seen_ctx.add(route["context"])
         seen_gen.add(route["generation"])
     assert seen_ctx == set(cluster2.context_urls)

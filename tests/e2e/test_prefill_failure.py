@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from tests.conftest import BrokenWorker, Cluster, Procs, assert_no_leaks, start_cluster
+from tests.conftest import BrokenWorker, Cluster, Procs, assert_no_leaks, route_of, start_cluster
 
 HEADER = "x-disagg-on-prefill-failure"
 
@@ -49,7 +49,7 @@ def test_local_prefills_on_the_generation_worker(
     c, _ = failing_ctx
     r = _post(c, "local")
     assert r.status_code == 200
-    route = dict(p.split("=", 1) for p in r.headers["x-disagg-route"].split("; "))
+    route = route_of(r)
     assert route["context"] == "-" and route["generation"] == c.generation_urls[0]
     assert r.json()["usage"]["completion_tokens"] == 6
     stream = openai.OpenAI(base_url=c.url + "/v1", api_key="x", max_retries=0)

@@ -3,31 +3,14 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.conftest import BrokenWorker, Cluster, Procs, assert_no_leaks, start_cluster
+from tests.conftest import BrokenWorker, Cluster, Procs, assert_no_leaks, route_of, start_cluster
 
 FAST = {"retry_interval": 0.01}
-
-
-@pytest.fixture
-def tmp(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("retry")
-
-
-@pytest.fixture
-def broken(request: pytest.FixtureRequest) -> Iterator[BrokenWorker]:
-    worker = BrokenWorker(request.param)
-    with worker:
-        yield worker
-
-
-def _route(r: httpx.Response) -> dict[str, str]:
-    return dict(p.split("=", 1) for p in r.headers["x-disagg-route"].split("; "))
 
 
 def _send(c: Cluster, n: int, **extra: object) -> list[httpx.Response]:
@@ -43,24 +26,24 @@ def _send(c: Cluster, n: int, **extra: object) -> list[httpx.Response]:
 
 @pytest.mark.parametrize("broken", ["500"], indirect=True)
 def test_worker_error_retried_on_another_worker(
-    procs: Procs, tmp: Path, broken: BrokenWorker
+    procs: Procs, tmp_path: Path, broken: BrokenWorker
 ) -> None:
-    c = start_cluster(procs, tmp, 1, 1, extra_ctx=[broken.url], max_retries=1, **FAST)
+    c = start_cluster(procs, tmp_path, 1, 1, extra_ctx=[broken.url], max_retries=1, **FAST)
     out = _send(c, 6)
     assert [r.status_code for r in out] == [200] * 6, out[0].text
     assert broken.hits >= 2  # round robin did place legs on it; each was retried elsewhere
-    retried = [r for r in out if _route(r)["retries"] == "1"]
+    retried = [r for r in out if route_of(r)["retries"] == "1"]
     assert len(retried) == broken.hits
-    assert all(_route(r)["context"] != broken.url for r in out)
+    assert all(route_of(r)["context"] != broken.url for r in out)
     assert_no_leaks(c)
 
 
 @pytest.mark.parametrize("broken", ["500"], indirect=True)
 def test_no_retry_switch(
-    procs: Procs, tmp: Path, broken: BrokenWorker, monkeypatch: pytest.MonkeyPatch
+    procs: Procs, tmp_path: Path, broken: BrokenWorker, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("DISAGG_NO_RETRY", "1")
-    c = start_cluster(procs, tmp, 1, 1, extra_ctx=[broken.url], max_retries=3, **FAST)
+    c = start_cluster(procs, tmp_path, 1, 1, extra_ctx=[broken.url], max_retries=3, **FAST)
     codes = [r.status_code for r in _send(c, 6)]
     assert codes.count(502) == broken.hits >= 2
     assert codes.count(200) == 6 - broken.hits
@@ -68,12 +51,12 @@ def test_no_retry_switch(
 
 @pytest.mark.parametrize("broken", ["reset"], indirect=True)
 def test_connection_resets_get_the_transient_budget(
-    procs: Procs, tmp: Path, broken: BrokenWorker
+    procs: Procs, tmp_path: Path, broken: BrokenWorker
 ) -> None:
     # max_retries 0: only the extended budget for TCP resets lets these succeed.
     c = start_cluster(
         procs,
-        tmp,
+        tmp_path,
         0,
         1,
         extra_ctx=[broken.url, broken.url.replace("127.0.0.1", "localhost")],
@@ -88,8 +71,8 @@ def test_connection_resets_get_the_transient_budget(
 
 
 @pytest.mark.parametrize("broken", ["400"], indirect=True)
-def test_client_errors_fail_fast(procs: Procs, tmp: Path, broken: BrokenWorker) -> None:
-    c = start_cluster(procs, tmp, 0, 1, extra_ctx=[broken.url], max_retries=3, **FAST)
+def test_client_errors_fail_fast(procs: Procs, tmp_path: Path, broken: BrokenWorker) -> None:
+    c = start_cluster(procs, tmp_path, 0, 1, extra_ctx=[broken.url], max_retries=3, **FAST)
     r = _send(c, 1)[0]
     assert r.status_code == 400 and r.json()["error"]["param"] == "x"
     assert broken.hits == 1
@@ -98,21 +81,21 @@ def test_client_errors_fail_fast(procs: Procs, tmp: Path, broken: BrokenWorker) 
 @pytest.mark.parametrize("broken", ["500"], indirect=True)
 @pytest.mark.parametrize("stream", [False, True])
 def test_generation_failure_replans_from_context(
-    procs: Procs, tmp: Path, broken: BrokenWorker, stream: bool
+    procs: Procs, tmp_path: Path, broken: BrokenWorker, stream: bool
 ) -> None:
-    c = start_cluster(procs, tmp, 1, 1, extra_gen=[broken.url], max_retries=1, **FAST)
+    c = start_cluster(procs, tmp_path, 1, 1, extra_gen=[broken.url], max_retries=1, **FAST)
     out = _send(c, 4, stream=stream)
     assert [r.status_code for r in out] == [200] * 4
     assert broken.hits >= 1
-    assert all(_route(r)["generation"] != broken.url for r in out)
+    assert all(route_of(r)["generation"] != broken.url for r in out)
     assert_no_leaks(c, timeout_s=2.0)  # the failed handoffs' KV was released, not leased
 
 
 @pytest.mark.parametrize("broken", ["partial"], indirect=True)
 def test_never_retried_once_bytes_reached_the_client(
-    procs: Procs, tmp: Path, broken: BrokenWorker
+    procs: Procs, tmp_path: Path, broken: BrokenWorker
 ) -> None:
-    c = start_cluster(procs, tmp, 1, 0, extra_gen=[broken.url], max_retries=3, **FAST)
+    c = start_cluster(procs, tmp_path, 1, 0, extra_gen=[broken.url], max_retries=3, **FAST)
     c.generation_urls = []
     with httpx.stream(
         "POST",
@@ -130,8 +113,12 @@ def test_never_retried_once_bytes_reached_the_client(
 
 
 @pytest.mark.parametrize("broken", ["500"], indirect=True)
-def test_client_cancels_while_a_retry_sleeps(procs: Procs, tmp: Path, broken: BrokenWorker) -> None:
-    c = start_cluster(procs, tmp, 0, 1, extra_ctx=[broken.url], max_retries=1, retry_interval=3.0)
+def test_client_cancels_while_a_retry_sleeps(
+    procs: Procs, tmp_path: Path, broken: BrokenWorker
+) -> None:
+    c = start_cluster(
+        procs, tmp_path, 0, 1, extra_ctx=[broken.url], max_retries=1, retry_interval=3.0
+    )
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(
             c.url + "/v1/completions",
