@@ -35,14 +35,7 @@ class Processes:
         self.procs: list[subprocess.Popen[bytes]] = []
 
     def start(self, *args: str) -> None:
-        cmd = [
-            sys.executable,
-            "-m",
-            "disagg.cli",
-            "--log-level",
-            os.environ.get("DISAGG_TEST_LOG", "warning"),
-            *args,
-        ]
+        cmd = [sys.executable, "-m", "disagg.cli", "--log-level", "warning", *args]
         self.procs.append(subprocess.Popen(cmd, stdin=subprocess.DEVNULL))
 
     def stop(self) -> None:
