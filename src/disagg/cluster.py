@@ -20,6 +20,12 @@ import aiohttp
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class Thresholds:
+    fail: int = 2  # consecutive failed checks before a worker leaves its pool
+    ok: int = 1  # consecutive passed checks before it (re)joins
+
+
 @dataclass(eq=False)
 class WorkerState:
     url: str
@@ -29,6 +35,20 @@ class WorkerState:
     models: tuple[str, ...] = ()
     last_error: str | None = None
     last_seen: float = 0.0
+    fails: int = 0  # consecutive failed health checks
+    passes: int = 0  # consecutive passed health checks
+
+    def record(self, ok: bool, thresholds: Thresholds) -> bool:
+        """Count one health check; returns whether readiness changed. A ready worker leaves
+        after `fail` failures in a row, an unready one joins after `ok` passes in a row."""
+        self.fails, self.passes = (0, self.passes + 1) if ok else (self.fails + 1, 0)
+        if self.ready and self.fails >= thresholds.fail:
+            self.ready = False
+            return True
+        if not self.ready and self.passes >= thresholds.ok:
+            self.ready = True
+            return True
+        return False
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -116,8 +136,10 @@ class HealthMonitor:
         session: aiohttp.ClientSession,
         interval_s: float,
         timeout_s: float = 2.0,
+        thresholds: Thresholds | None = None,
     ) -> None:
         self.cluster, self.session = cluster, session
+        self.thresholds = thresholds or Thresholds()
         self.interval_s, self.timeout = interval_s, aiohttp.ClientTimeout(total=timeout_s)
         self._task: asyncio.Task[None] | None = None
         self._changed = asyncio.Event()
@@ -134,10 +156,10 @@ class HealthMonitor:
                 w.models = await self._models(w)
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
             ok, error = False, f"{type(exc).__name__}: {exc}".rstrip(": ")
-        if ok != w.ready:
+        w.last_error = error
+        if w.record(ok, self.thresholds):
             log.info("worker %s (%s) is now %s", w.url, w.role, "ready" if ok else "unready")
             self._changed.set()
-        w.ready, w.last_error = ok, error
         if ok:
             w.last_seen = time.time()
 

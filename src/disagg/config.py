@@ -159,6 +159,8 @@ _OWN_KEYS = frozenset(
         "max_tokens_limit",
         "log_level",
         "transient_retries",
+        "health_fail_threshold",
+        "health_ok_threshold",
         "on_prefill_failure",
         "failure_policy_header",
         "connect_timeout",
@@ -218,6 +220,8 @@ class ClusterConfig:
     max_tokens_limit: int = 1_000_000
     log_level: str = "info"
     transient_retries: int = 5  # extra budget for TCP resets / server disconnected
+    health_fail_threshold: int = 2  # failed health checks in a row before a worker leaves
+    health_ok_threshold: int = 1  # passed checks in a row before it rejoins
     on_prefill_failure: str = "retry"  # retry | local | fail
     failure_policy_header: bool = True  # clients may override it per request
     connect_timeout: float = 5.0  # s to open a connection to a worker
@@ -497,6 +501,9 @@ def _own_fields(top: Mapping[str, Any]) -> dict[str, Any]:
     for key in ("max_request_body_bytes", "max_tokens_limit"):
         if key in top:
             fields[key] = _int(top[key], key, minimum=1)
+    for key in ("health_fail_threshold", "health_ok_threshold"):
+        if key in top:
+            fields[key] = _int(top[key], key, minimum=1)
     if "transient_retries" in top:
         fields["transient_retries"] = _int(top["transient_retries"], "transient_retries")
     if "retry_interval" in top:
@@ -606,6 +613,8 @@ def config_to_dict(cfg: ClusterConfig) -> dict[str, Any]:
         "max_tokens_limit": cfg.max_tokens_limit,
         "log_level": cfg.log_level,
         "transient_retries": cfg.transient_retries,
+        "health_fail_threshold": cfg.health_fail_threshold,
+        "health_ok_threshold": cfg.health_ok_threshold,
         "on_prefill_failure": cfg.on_prefill_failure,
         "failure_policy_header": cfg.failure_policy_header,
         "connect_timeout": cfg.connect_timeout,

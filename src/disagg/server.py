@@ -13,7 +13,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from disagg.cluster import Cluster, HealthMonitor, StaticDiscovery
+from disagg.cluster import Cluster, HealthMonitor, StaticDiscovery, Thresholds
 from disagg.config import PREFILL_FAILURE_POLICIES, ClusterConfig
 from disagg.endpoints import ENDPOINTS, Endpoint
 from disagg.errors import DisaggError, InvalidRequest, ModelNotFound, ServiceUnavailable
@@ -79,7 +79,12 @@ class Frontend:
     async def _start(self, _app: web.Application) -> None:
         self._health_session = aiohttp.ClientSession()
         self.monitor = HealthMonitor(
-            self.cluster, self._health_session, self.config.health_check_interval
+            self.cluster,
+            self._health_session,
+            self.config.health_check_interval,
+            thresholds=Thresholds(
+                self.config.health_fail_threshold, self.config.health_ok_threshold
+            ),
         )
         timeout = self.config.worker_startup_timeout
         if timeout > 0 and not await self.monitor.wait_ready(timeout):

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from tests.conftest import BrokenWorker, Cluster, Procs, assert_no_leaks, start_cluster
+from tests.conftest import BrokenWorker, Cluster, Procs, assert_no_leaks, route_of, start_cluster
 
 
 @pytest.fixture(scope="module")
@@ -58,3 +58,59 @@ def test_client_disconnect_during_context_leg(cluster: Cluster) -> None:
             json={"model": "tiny", "prompt": prompt, "max_tokens": 500},
         )
     assert_no_leaks(cluster, timeout_s=10.0)
+
+
+def test_killed_worker_leaves_and_restarted_worker_rejoins(
+    procs: Procs, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    import signal
+
+    from tests.conftest import wait_healthy
+
+    c = start_cluster(
+        procs,
+        tmp_path_factory.mktemp("kill"),
+        2,
+        1,
+        health_check_interval=0.2,
+        health_fail_threshold=2,
+    )
+    victim = procs.procs[-3]  # the second context worker (then generation, orchestrator)
+    victim.send_signal(signal.SIGKILL)
+    victim.wait()
+    procs.procs.remove(victim)
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        info = httpx.get(c.url + "/cluster_info").json()
+        if [w["ready"] for w in info["context_servers"]] == [True, False]:
+            break
+        time.sleep(0.1)
+    assert [w["ready"] for w in info["context_servers"]] == [True, False]
+    for i in range(4):  # nothing is routed to the dead worker
+        r = httpx.post(
+            c.url + "/v1/completions",
+            timeout=60,
+            json={"model": "tiny", "prompt": f"k{i}", "max_tokens": 3},
+        )
+        assert r.status_code == 200
+        assert route_of(r)["context"] == c.context_urls[0]
+    port = c.context_urls[1].rsplit(":", 1)[1]
+    procs.start("worker", "--role", "context", "--port", port)
+    wait_healthy(c.context_urls[1], procs)
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and not all(
+        w["ready"] for w in httpx.get(c.url + "/cluster_info").json()["context_servers"]
+    ):
+        time.sleep(0.1)
+    seen = {
+        route_of(
+            httpx.post(
+                c.url + "/v1/completions",
+                timeout=60,
+                json={"model": "tiny", "prompt": f"r{i}", "max_tokens": 3},
+            )
+        )["context"]
+        for i in range(4)
+    }
+    assert seen == set(c.context_urls)
+    assert_no_leaks(c)
