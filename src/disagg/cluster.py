@@ -34,7 +34,6 @@ class WorkerState:
     in_flight: int = 0
     models: tuple[str, ...] = ()
     last_error: str | None = None
-    last_seen: float = 0.0
     fails: int = 0  # consecutive failed health checks
     passes: int = 0  # consecutive passed health checks
 
@@ -142,7 +141,6 @@ class HealthMonitor:
         self.thresholds = thresholds or Thresholds()
         self.interval_s, self.timeout = interval_s, aiohttp.ClientTimeout(total=timeout_s)
         self._task: asyncio.Task[None] | None = None
-        self._changed = asyncio.Event()
 
     async def check_all(self) -> None:
         await asyncio.gather(*(self._check(w) for w in self.cluster.workers()))
@@ -159,9 +157,6 @@ class HealthMonitor:
         w.last_error = error
         if w.record(ok, self.thresholds):
             log.info("worker %s (%s) is now %s", w.url, w.role, "ready" if ok else "unready")
-            self._changed.set()
-        if ok:
-            w.last_seen = time.time()
 
     async def _models(self, w: WorkerState) -> tuple[str, ...]:
         async with self.session.get(w.url + "/v1/models", timeout=self.timeout) as resp:
