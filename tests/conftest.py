@@ -20,6 +20,11 @@ from disagg.demo import Processes, free_port
 
 Procs = Processes
 
+# For clusters whose broken worker must take every attempt (tests that count attempts or
+# check one worker's error): its circuit breaker would otherwise open. Breakers have tests
+# of their own.
+NO_BREAKER = {"breaker_failures": 1000}
+
 
 def wait_healthy(url: str, procs: Procs, timeout_s: float = 60.0) -> None:
     deadline = time.monotonic() + timeout_s

@@ -323,3 +323,51 @@ def test_static_config_validates() -> None:
         static_config([], ["localhost:8002"])
     with pytest.raises(ConfigError, match="request_timout: unknown key"):
         static_config(["a:1"], ["b:2"], request_timout=5)
+
+
+def test_fault_handling_keys() -> None:
+    cfg = parse_config(MINIMAL)
+    assert (cfg.on_generation_failure, cfg.breaker_failures, cfg.breaker_cooldown) == (
+        "retry",
+        3,
+        5.0,
+    )
+    assert (cfg.max_concurrent_requests, cfg.max_queued_requests, cfg.queue_timeout) == (
+        0,
+        1024,
+        10.0,
+    )
+    assert cfg.drain_timeout == 30.0
+    cfg = parse_config(
+        _with(
+            on_generation_failure="fail",
+            breaker_failures=1,
+            breaker_cooldown=0.5,
+            drain_timeout=0,
+            max_concurrent_requests=8,
+            max_queued_requests=0,
+            queue_timeout=2,
+        )
+    )
+    assert cfg.on_generation_failure == "fail" and cfg.breaker_failures == 1
+    assert cfg.drain_timeout == 0.0 and cfg.max_concurrent_requests == 8
+    assert parse_config(config_to_dict(cfg)) == cfg
+
+
+@pytest.mark.parametrize(
+    ("data", "expected"),
+    [
+        (
+            _with(on_generation_failure="local"),
+            "on_generation_failure: expected one of retry, fail",
+        ),
+        (_with(breaker_failures=0), "breaker_failures: must be >= 1, got 0"),
+        (_with(breaker_cooldown=0), "breaker_cooldown: "),
+        (_with(max_concurrent_requests=-1), "max_concurrent_requests: must be >= 0, got -1"),
+        (_with(queue_timeout="soon"), "queue_timeout: expected a number of seconds"),
+    ],
+)
+def test_bad_fault_handling_keys(data: Any, expected: str) -> None:
+    with pytest.raises(ConfigError) as exc:
+        parse_config(data)
+    assert expected in str(exc.value)

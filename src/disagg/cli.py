@@ -35,7 +35,7 @@ def _worker(args: argparse.Namespace) -> int:
     )
     worker = Worker(model, tokenizer, settings)
     logging.getLogger("disagg").info("%s worker for %s on %s", args.role, name, advertise)
-    run(serve(worker.app(), args.host, args.port))
+    run(serve(worker.app(), args.host, args.port, drain=worker, drain_s=args.drain_timeout))
     return 0
 
 
@@ -73,6 +73,8 @@ def _serve(args: argparse.Namespace) -> int:
             host,
             port,
             ready=lambda: log.info("orchestrator listening on http://%s:%d", host, port),
+            drain=frontend,
+            drain_s=config.drain_timeout,
         )
     )
     return 0
@@ -115,6 +117,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     w.add_argument("--num-blocks", type=int, default=1024)
     w.add_argument("--block-size", type=int, default=16)
+    w.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        help="seconds to finish running legs and hand over pinned KV after SIGTERM",
+    )
     w.add_argument(
         "--kv-lease",
         type=float,

@@ -1,8 +1,10 @@
 """Cluster membership as the orchestrator sees it: workers per pool, their readiness, the
-models they serve, and the health monitor that keeps this current.
+models they serve, the health monitor that keeps this current, and a circuit breaker per
+worker fed by request outcomes.
 
 Membership comes from a `Discovery` (a static list today; etcd later). The monitor only
-observes and marks workers; it never routes and never touches requests.
+observes and marks workers; it never routes and never touches requests. A worker takes new
+legs when it is ready (health), not draining, and its breaker lets a request through.
 """
 
 from __future__ import annotations
@@ -26,16 +28,76 @@ class Thresholds:
     ok: int = 1  # consecutive passed checks before it (re)joins
 
 
+@dataclass(frozen=True)
+class BreakerSettings:
+    failures: int = 3  # request-level faults in a row that open the breaker
+    cooldown_s: float = 5.0  # open → half-open after this long
+
+
+class Breaker:
+    """Closed → open after `failures` faults in a row → half-open after `cooldown_s`, when
+    exactly one probe request may pass → closed on its success, open again on its fault.
+
+    Only faults the orchestrator blames on this worker count: a client's 4xx, a cancelled
+    request or the peer worker's fault call nothing, or `settle` for a probe.
+    """
+
+    __slots__ = ("_faults", "_probing", "_retry_at", "settings", "state")
+
+    def __init__(self, settings: BreakerSettings | None = None) -> None:
+        self.settings = settings or BreakerSettings()
+        self.state = "closed"
+        self._faults = 0
+        self._retry_at = 0.0
+        self._probing = False
+
+    def allows(self, now: float) -> bool:
+        if self.state == "closed":
+            return True
+        if self.state == "open":
+            return now >= self._retry_at
+        return not self._probing
+
+    def on_pick(self, now: float) -> None:
+        """A request was placed here; past the cooldown it is the half-open probe."""
+        if self.state == "open" and now >= self._retry_at:
+            self.state = "half_open"
+        if self.state == "half_open":
+            self._probing = True
+
+    def record(self, ok: bool, now: float) -> None:
+        self._probing = False
+        if ok:
+            self.state, self._faults = "closed", 0
+            return
+        self._faults += 1
+        if self.state == "half_open" or self._faults >= self.settings.failures:
+            if self.state != "open":
+                log.warning("circuit breaker opened after %d fault(s)", self._faults)
+            self.state = "open"
+            self._retry_at = now + self.settings.cooldown_s
+
+    def settle(self) -> None:
+        """A placed request ended without a verdict; a half-open breaker may probe again."""
+        self._probing = False
+
+
 @dataclass(eq=False)
 class WorkerState:
     url: str
     role: str  # "context" or "generation"
     ready: bool = False
+    draining: bool = False  # the worker said so on /health: no new legs
     in_flight: int = 0
     models: tuple[str, ...] = ()
     last_error: str | None = None
     fails: int = 0  # consecutive failed health checks
     passes: int = 0  # consecutive passed health checks
+    breaker: Breaker = field(default_factory=Breaker)
+
+    def available(self, now: float) -> bool:
+        """Whether a new leg may be placed here."""
+        return self.ready and not self.draining and self.breaker.allows(now)
 
     def record(self, ok: bool, thresholds: Thresholds) -> bool:
         """Count one health check; returns whether readiness changed. A ready worker leaves
@@ -54,6 +116,8 @@ class WorkerState:
             "url": self.url,
             "role": self.role,
             "ready": self.ready,
+            "draining": self.draining,
+            "breaker": self.breaker.state,
             "in_flight": self.in_flight,
             "models": list(self.models),
             "last_error": self.last_error,
@@ -66,11 +130,16 @@ class Pool:
     workers: list[WorkerState] = field(default_factory=list)
 
     def ready(self, model: str | None = None) -> list[WorkerState]:
-        return [
-            w
-            for w in self.workers
-            if w.ready and (model is None or not w.models or model in w.models)
-        ]
+        return [w for w in self.workers if w.ready and _serves(w, model)]
+
+    def available(self, model: str) -> list[WorkerState]:
+        """The workers a new leg for `model` may go to now."""
+        now = time.monotonic()
+        return [w for w in self.workers if w.available(now) and _serves(w, model)]
+
+
+def _serves(w: WorkerState, model: str | None) -> bool:
+    return model is None or not w.models or model in w.models
 
 
 class Discovery(Protocol):
@@ -93,11 +162,11 @@ class StaticDiscovery:
 
 
 class Cluster:
-    def __init__(self, discovery: Discovery) -> None:
+    def __init__(self, discovery: Discovery, breaker: BreakerSettings | None = None) -> None:
         self.context = Pool("context")
         self.generation = Pool("generation")
         for role, url in discovery.members():
-            self.pool(role).workers.append(WorkerState(url, role))
+            self.pool(role).workers.append(WorkerState(url, role, breaker=Breaker(breaker)))
 
     def pool(self, role: str) -> Pool:
         return self.context if role == "context" else self.generation
@@ -126,6 +195,17 @@ class Cluster:
         }
 
 
+async def _says_draining(resp: aiohttp.ClientResponse) -> bool:
+    """A worker that is shutting down answers /health with `{"status": "draining"}`."""
+    if resp.content_type != "application/json":
+        return False
+    try:
+        data = await resp.json()
+    except ValueError:
+        return False
+    return isinstance(data, dict) and data.get("status") == "draining"
+
+
 class HealthMonitor:
     """Polls each worker's /health (and /v1/models when it turns ready)."""
 
@@ -150,6 +230,11 @@ class HealthMonitor:
             async with self.session.get(w.url + "/health", timeout=self.timeout) as resp:
                 ok = resp.status == 200
                 error = None if ok else f"/health answered {resp.status}"
+                draining = await _says_draining(resp)
+            if draining != w.draining:
+                state = "is draining" if draining else "takes new legs"
+                log.info("worker %s (%s) %s", w.url, w.role, state)
+                w.draining = draining
             if ok and not w.models:
                 w.models = await self._models(w)
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:

@@ -150,6 +150,7 @@ _WORKER_KEYS = frozenset(
     }
 )
 PREFILL_FAILURE_POLICIES = ("retry", "local", "fail")
+GENERATION_FAILURE_POLICIES = ("retry", "fail")
 _OWN_KEYS = frozenset(
     {
         "worker_startup_timeout",
@@ -169,6 +170,13 @@ _OWN_KEYS = frozenset(
         "stream_idle_timeout",
         "retry_interval",
         "disable_retries",
+        "on_generation_failure",
+        "breaker_failures",
+        "breaker_cooldown",
+        "drain_timeout",
+        "max_concurrent_requests",
+        "max_queued_requests",
+        "queue_timeout",
     }
 )
 _TOP_KEYS = _TRTLLM_KEYS | _TRTLLM_IGNORED | _WORKER_KEYS | _OWN_KEYS
@@ -230,6 +238,13 @@ class ClusterConfig:
     stream_idle_timeout: float = 60.0  # s without a chunk from a streaming worker
     retry_interval: float = 1.0  # seconds between attempts
     disable_retries: bool = False  # also set by DISAGG_NO_RETRY=1
+    on_generation_failure: str = "retry"  # retry (a new pair) | fail
+    breaker_failures: int = 3  # request-level faults in a row that open a worker's breaker
+    breaker_cooldown: float = 5.0  # s an open breaker waits before one probe request
+    drain_timeout: float = 30.0  # s in-flight requests may take to finish after SIGTERM
+    max_concurrent_requests: int = 0  # requests served at once; 0: no limit
+    max_queued_requests: int = 1024  # requests waiting for a slot; beyond that 429
+    queue_timeout: float = 10.0  # s a request may wait for a slot before 429
 
 
 # --- small checkers -----------------------------------------------------------------------------
@@ -495,13 +510,20 @@ def _own_fields(top: Mapping[str, Any]) -> dict[str, Any]:
         "context_timeout",
         "first_token_timeout",
         "stream_idle_timeout",
+        "breaker_cooldown",
+        "queue_timeout",
     ):
         if key in top:
             fields[key] = _seconds(top[key], key)
+    if "drain_timeout" in top:
+        fields["drain_timeout"] = _seconds(top["drain_timeout"], "drain_timeout", allow_zero=True)
     for key in ("max_request_body_bytes", "max_tokens_limit"):
         if key in top:
             fields[key] = _int(top[key], key, minimum=1)
-    for key in ("health_fail_threshold", "health_ok_threshold"):
+    for key in ("max_concurrent_requests", "max_queued_requests"):
+        if key in top:
+            fields[key] = _int(top[key], key)
+    for key in ("health_fail_threshold", "health_ok_threshold", "breaker_failures"):
         if key in top:
             fields[key] = _int(top[key], key, minimum=1)
     if "transient_retries" in top:
@@ -513,6 +535,10 @@ def _own_fields(top: Mapping[str, Any]) -> dict[str, Any]:
     if "on_prefill_failure" in top:
         fields["on_prefill_failure"] = _choice(
             top["on_prefill_failure"], "on_prefill_failure", PREFILL_FAILURE_POLICIES
+        )
+    if "on_generation_failure" in top:
+        fields["on_generation_failure"] = _choice(
+            top["on_generation_failure"], "on_generation_failure", GENERATION_FAILURE_POLICIES
         )
     if "failure_policy_header" in top:
         value = top["failure_policy_header"]
@@ -623,6 +649,13 @@ def config_to_dict(cfg: ClusterConfig) -> dict[str, Any]:
         "stream_idle_timeout": cfg.stream_idle_timeout,
         "retry_interval": cfg.retry_interval,
         "disable_retries": cfg.disable_retries,
+        "on_generation_failure": cfg.on_generation_failure,
+        "breaker_failures": cfg.breaker_failures,
+        "breaker_cooldown": cfg.breaker_cooldown,
+        "drain_timeout": cfg.drain_timeout,
+        "max_concurrent_requests": cfg.max_concurrent_requests,
+        "max_queued_requests": cfg.max_queued_requests,
+        "queue_timeout": cfg.queue_timeout,
         "context_servers": _pool_to_dict(cfg.context),
         "generation_servers": _pool_to_dict(cfg.generation),
     }

@@ -21,6 +21,10 @@ class DisaggError(Exception):
         self.param = param
         self.code = code
 
+    def headers(self) -> dict[str, str]:
+        """Extra response headers (e.g. `Retry-After`)."""
+        return {}
+
     def body(self) -> dict[str, Any]:
         return {
             "error": {
@@ -67,8 +71,15 @@ class UpstreamError(DisaggError):
 
     type = "upstream_error"
 
-    def __init__(self, worker_status: int, message: str, *, param: str | None = None) -> None:
-        super().__init__(message, param=param)
+    def __init__(
+        self,
+        worker_status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message, param=param, code=code)
         self.worker_status = worker_status
         self.status = worker_status if 400 <= worker_status < 500 else 502
         if self.status < 500:
@@ -85,9 +96,21 @@ class WorkerUnavailable(DisaggError):
     status = 502
     type = "upstream_error"
 
-    def __init__(self, message: str, *, transient: bool = False, sent: bool = True) -> None:
-        super().__init__(message)
+    def __init__(
+        self,
+        message: str,
+        *,
+        transient: bool = False,
+        sent: bool = True,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message, code=code)
         self.transient, self.sent = transient, sent
+
+
+# The `code` a generation worker gives when pulling KV from the context worker failed: the
+# fault is the context worker's, not the generation worker's.
+KV_TRANSFER_FAILED = "kv_transfer_failed"
 
 
 class ServiceUnavailable(DisaggError):
@@ -95,6 +118,21 @@ class ServiceUnavailable(DisaggError):
 
     status = 503
     type = "service_unavailable"
+
+
+class TooManyRequests(DisaggError):
+    """The admission queue is full or the wait for a slot timed out."""
+
+    status = 429
+    type = "rate_limit_error"
+
+    def __init__(self, message: str, retry_after_s: int, reason: str) -> None:
+        super().__init__(message, code="rate_limit_exceeded")
+        self.retry_after_s = retry_after_s
+        self.reason = reason  # queue_full | queue_timeout
+
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": str(self.retry_after_s)}
 
 
 class GatewayTimeout(DisaggError):

@@ -1,5 +1,5 @@
 """HTTP pieces shared by the orchestrator and the reference worker: error middleware, JSON
-responses, serving an aiohttp app until stopped.
+responses, serving an aiohttp app until stopped, with a graceful drain on SIGTERM.
 
 Every exception becomes an OpenAI-style error body here, in one place; nothing else formats
 error responses. No request logic lives here.
@@ -12,7 +12,7 @@ import contextlib
 import logging
 import signal
 from collections.abc import Awaitable, Callable, Coroutine
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 from aiohttp import web
@@ -34,7 +34,7 @@ def json_response(
 
 
 def error_response(exc: DisaggError) -> web.Response:
-    return json_response(exc.body(), status=exc.status)
+    return json_response(exc.body(), status=exc.status, headers=exc.headers() or None)
 
 
 @web.middleware
@@ -62,25 +62,70 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         return error_response(DisaggError("Internal server error"))
 
 
+class Drainable(Protocol):
+    """A server that can finish its work before it closes."""
+
+    # Whether it keeps its socket open while draining: a worker must, to hand pinned KV to
+    # generation workers; the orchestrator stops taking connections at once.
+    keeps_listening: bool
+
+    def begin_drain(self) -> None:
+        """Take no new work from now on (and say so on /health)."""
+        ...
+
+    async def drained(self) -> None:
+        """Return once no work is in flight."""
+        ...
+
+
 async def serve(
-    app: web.Application, host: str, port: int, ready: Callable[[], None] | None = None
+    app: web.Application,
+    host: str,
+    port: int,
+    ready: Callable[[], None] | None = None,
+    drain: Drainable | None = None,
+    drain_s: float = 30.0,
 ) -> None:
-    """Serve `app` until SIGINT/SIGTERM or cancellation, then clean up."""
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    """Serve `app` until SIGINT/SIGTERM or cancellation, then clean up. With `drain`, the
+    first signal drains for up to `drain_s` (a second one cuts that short); what is still
+    running afterwards is cancelled."""
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=2.0)
     await runner.setup()
     site = web.TCPSite(runner, host, port, reuse_address=True, backlog=4096)
     await site.start()
     if ready is not None:
         ready()
-    stop = asyncio.Event()
+    stop, force = asyncio.Event(), asyncio.Event()
     loop = asyncio.get_running_loop()
+
+    def on_signal() -> None:
+        (force if stop.is_set() else stop).set()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
         with contextlib.suppress(NotImplementedError, RuntimeError):
-            loop.add_signal_handler(sig, stop.set)
+            loop.add_signal_handler(sig, on_signal)
     try:
         await stop.wait()
+        if drain is not None:
+            await _drain(drain, site, drain_s, force)
     finally:
         await runner.cleanup()
+
+
+async def _drain(drain: Drainable, site: web.TCPSite, drain_s: float, force: asyncio.Event) -> None:
+    drain.begin_drain()
+    if not drain.keeps_listening:
+        await site.stop()
+    log.info("draining: finishing in-flight work for up to %g s", drain_s)
+    done = asyncio.ensure_future(drain.drained())
+    forced = asyncio.ensure_future(force.wait())
+    try:
+        await asyncio.wait([done, forced], timeout=drain_s, return_when=asyncio.FIRST_COMPLETED)
+        if not done.done():
+            log.warning("drain ended with work still in flight; it is cancelled now")
+    finally:
+        for task in (done, forced):
+            task.cancel()
 
 
 def run(main: Coroutine[Any, Any, None]) -> None:

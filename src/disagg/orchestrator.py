@@ -11,14 +11,17 @@ import asyncio
 import itertools
 import logging
 import secrets
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
 
+from disagg.cluster import WorkerState
 from disagg.endpoints import ContextOutcome, Endpoint
 from disagg.errors import (
+    KV_TRANSFER_FAILED,
     DeadlineExceeded,
     DisaggError,
     GatewayTimeout,
@@ -43,6 +46,9 @@ class Route:
     cached_tokens: int = 0
     retries: int = 0
     deadline: float = float("inf")  # loop time by which the whole request must be done
+    # The context leg's worker: its breaker's verdict waits until its KV reached the
+    # generation worker (an answer whose KV cannot be pulled is no success).
+    context_worker: WorkerState | None = field(default=None, repr=False)
 
     def left(self, limit_s: float) -> float:
         """`limit_s`, cut to what is left of the request's deadline (never 0, which the
@@ -81,6 +87,7 @@ class Job:
     stream: bool
     include_usage: bool
     on_prefill_failure: str = "retry"  # retry | local (aggregated on a generation worker) | fail
+    on_generation_failure: str = "retry"  # retry (a new pair) | fail
 
 
 @dataclass
@@ -138,7 +145,7 @@ class Orchestrator:
                 # that handoff can't be replayed, so plan the request again from its context leg.
                 if not budget.spend(replan.cause):
                     raise replan.cause from None
-                request = request.avoiding(route.generation)
+                request = request.avoiding(replan.avoid)
                 await self._pause(replan.cause, route)
                 continue
             result.route.retries = budget.attempts - 1
@@ -159,14 +166,14 @@ class Orchestrator:
                     f"the context leg failed and this request does not fall back: {exc.message}"
                 ) from None
             log.info("context leg failed (%s); prefilling on a generation worker", exc.message)
-            route.context = None
+            route.context, route.context_worker = None, None
             return await self._generation_attempt(endpoint, body, request, route, None, stream)
         if ctx.finished:
             if stream:
                 chunks = endpoint.finished_stream(ctx_resp, ctx, job.include_usage)
                 return Result(route, chunks=_iterate(chunks))
             return Result(route, body=endpoint.clean(ctx_resp, None))
-        return await self._generation_leg(endpoint, body, request, route, ctx, stream, budget)
+        return await self._generation_leg(job, request, route, ctx, budget)
 
     async def _pause(self, exc: DisaggError, route: Route) -> None:
         log.info("retrying after %s: %s", type(exc).__name__, exc.message)
@@ -194,24 +201,34 @@ class Orchestrator:
     ) -> tuple[dict[str, Any], ContextOutcome]:
         reservation = Reservation(self.context_policy, request)
         route.context = reservation.worker.url
-        ok = False
+        route.context_worker = reservation.worker
         try:
             payload = endpoint.context_request(body, self.next_id())
             resp = await self.client.post(
                 reservation.worker.url, endpoint.path, payload, route.left(self.deadlines.context_s)
             )
-            try:
-                ctx = endpoint.outcome(resp, endpoint.budget(body))
-                route.cached_tokens = int(
-                    (ctx.usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
-                )
-            except (AttributeError, TypeError, ValueError, KeyError, IndexError):
-                raise WorkerUnavailable(
-                    f"context worker {route.context} sent a malformed answer"
-                ) from None
-            ok = True
-        finally:
-            reservation.finish(ok)
+            ctx = await self._context_outcome(endpoint, body, resp, route)
+        except BaseException as exc:
+            _judge(reservation, exc)
+            reservation.finish(False)
+            raise
+        reservation.finish(True)
+        if ctx.finished:
+            reservation.judge(True)
+        return resp, ctx
+
+    async def _context_outcome(
+        self, endpoint: Endpoint, body: dict[str, Any], resp: dict[str, Any], route: Route
+    ) -> ContextOutcome:
+        try:
+            ctx = endpoint.outcome(resp, endpoint.budget(body))
+            route.cached_tokens = int(
+                (ctx.usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+            )
+        except (AttributeError, TypeError, ValueError, KeyError, IndexError):
+            raise WorkerUnavailable(
+                f"context worker {route.context} sent a malformed answer"
+            ) from None
         if not ctx.finished and not (
             ctx.prompt_token_ids and ctx.params.get("encoded_opaque_state")
         ):
@@ -219,33 +236,39 @@ class Orchestrator:
             raise WorkerUnavailable(
                 "the context worker's answer lacks prompt_token_ids or disaggregated_params"
             )
-        return resp, ctx
+        return ctx
 
     async def _generation_leg(
         self,
-        endpoint: Endpoint,
-        body: dict[str, Any],
+        job: Job,
         request: RouteRequest,
         route: Route,
         ctx: ContextOutcome,
-        stream: bool,
         budget: RetryBudget,
     ) -> Result:
         while True:
             try:
-                return await self._generation_attempt(endpoint, body, request, route, ctx, stream)
-            except WorkerUnavailable as exc:
+                return await self._generation_attempt(
+                    job.endpoint, job.body, request, route, ctx, job.stream
+                )
+            except DisaggError as exc:
+                if job.on_generation_failure == "fail" and _worker_fault(exc):
+                    await self._release_context_kv(route, ctx)
+                    raise ServiceUnavailable(
+                        "the generation leg failed and this request does not fall back:"
+                        f" {exc.message}"
+                    ) from None
                 # Never connected: the KV is still pinned on the context worker, so the same
                 # handoff can go to another generation worker.
-                if exc.sent or not budget.spend(exc):
-                    await self._release_context_kv(route, ctx)
-                    raise _Replan(exc) from None
-                request = request.avoiding(route.generation)
-                await self._pause(exc, route)
-            except DisaggError as exc:
+                if isinstance(exc, WorkerUnavailable) and not exc.sent and budget.spend(exc):
+                    request = request.avoiding(route.generation)
+                    await self._pause(exc, route)
+                    continue
                 await self._release_context_kv(route, ctx)
                 if retryable(exc):
-                    raise _Replan(exc) from None
+                    # A failed KV pull is the context worker's fault: the new pair avoids it.
+                    avoid = route.context if _kv_transfer_failed(exc) else route.generation
+                    raise _Replan(exc, avoid) from None
                 raise
             except BaseException:
                 await self._release_context_kv(route, ctx)
@@ -277,11 +300,18 @@ class Orchestrator:
                 resp = await self.client.post(
                     url, endpoint.path, payload, route.left(self.deadlines.request_s)
                 )
+                reservation.judge(True)
                 reservation.finish(True)
+                _judge_context(route, True)
                 return Result(route, body=endpoint.clean(resp, ctx))
-        except BaseException:
+        except BaseException as exc:
+            if _kv_transfer_failed(exc):
+                _judge_context(route, False)
+            else:
+                _judge(reservation, exc)
             reservation.finish(False)
             raise
+        _judge_context(route, True)  # the worker answers 200 only once it holds the KV
         relay = _Relay(
             upstream,
             reservation,
@@ -301,6 +331,23 @@ class Orchestrator:
             await asyncio.shield(self.client.release_kv(route.context, rid))
 
 
+def _judge(reservation: Reservation, exc: BaseException) -> None:
+    """A leg failed: count it against the worker only when the worker is to blame (not for
+    the client's 4xx, a cancellation or the request's own deadline)."""
+    if isinstance(exc, DisaggError) and retryable(exc):
+        reservation.judge(False)
+
+
+def _judge_context(route: Route, ok: bool) -> None:
+    """Whether the context worker's KV reached the generation worker."""
+    if route.context_worker is not None:
+        route.context_worker.breaker.record(ok, time.monotonic())
+
+
+def _kv_transfer_failed(exc: BaseException) -> bool:
+    return isinstance(exc, DisaggError) and exc.code == KV_TRANSFER_FAILED
+
+
 def _worker_fault(exc: DisaggError) -> bool:
     """A failure of the pool (not of the client's request) that a fallback may cure."""
     return retryable(exc) or (
@@ -311,9 +358,9 @@ def _worker_fault(exc: DisaggError) -> bool:
 class _Replan(Exception):
     """The generation leg failed in a way only a new context leg can cure."""
 
-    def __init__(self, cause: DisaggError) -> None:
+    def __init__(self, cause: DisaggError, avoid: str | None) -> None:
         super().__init__(cause.message)
-        self.cause = cause
+        self.cause, self.avoid = cause, avoid  # the worker the new plan should not use
 
 
 class _Relay:
@@ -342,9 +389,12 @@ class _Relay:
                     break
                 yield chunk
             self.ok = True
+            self.reservation.judge(True)
         except (aiohttp.ClientError, TimeoutError) as exc:
             # Bytes may already be with the client: end the stream with an error event.
             log.warning("generation stream from %s broke: %r", self.reservation.worker.url, exc)
+            if self.deadline > loop.time():  # not the request's own deadline
+                self.reservation.judge(False)
             await self.on_failure()
             yield sse_data(_stream_error(exc, self.deadline - loop.time()).body())
             yield DONE

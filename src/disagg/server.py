@@ -1,7 +1,9 @@
-"""The orchestrator's HTTP frontend: OpenAI routes, body limits, SSE responses, cluster views.
+"""The orchestrator's HTTP frontend: OpenAI routes, body limits, admission, drain, SSE
+responses, cluster views and metrics.
 
-It parses and validates the client's body, hands it to the orchestrator, and writes what
-comes back. Errors become OpenAI-style bodies in `disagg.http`; no placement happens here.
+It parses and validates the client's body, admits it, hands it to the orchestrator, and
+writes what comes back. Errors become OpenAI-style bodies in `disagg.http`; no placement
+happens here.
 """
 
 from __future__ import annotations
@@ -13,16 +15,24 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from disagg.cluster import Cluster, HealthMonitor, StaticDiscovery, Thresholds
-from disagg.config import PREFILL_FAILURE_POLICIES, ClusterConfig
+from disagg.admission import Admission
+from disagg.cluster import BreakerSettings, Cluster, HealthMonitor, StaticDiscovery, Thresholds
+from disagg.config import GENERATION_FAILURE_POLICIES, PREFILL_FAILURE_POLICIES, ClusterConfig
 from disagg.endpoints import ENDPOINTS, Endpoint
-from disagg.errors import DisaggError, InvalidRequest, ModelNotFound, ServiceUnavailable
+from disagg.errors import (
+    DisaggError,
+    InvalidRequest,
+    ModelNotFound,
+    ServiceUnavailable,
+    TooManyRequests,
+)
 from disagg.formats import DONE, sse_data
 from disagg.http import error_middleware, json_response
 from disagg.orchestrator import Deadlines, Job, Orchestrator
 from disagg.protocol import decode_body, validate
 from disagg.retry import RetryPolicy
 from disagg.routing import make_policy
+from disagg.telemetry import CONTENT_TYPE, Metrics
 from disagg.upstream import WorkerClient
 
 log = logging.getLogger(__name__)
@@ -30,6 +40,7 @@ log = logging.getLogger(__name__)
 # Fields only the orchestrator may set on a leg; a client can never drive the handoff.
 INTERNAL_FIELDS = ("disaggregated_params", "prompt_token_ids")
 PREFILL_FAILURE_HEADER = "x-disagg-on-prefill-failure"
+GENERATION_FAILURE_HEADER = "x-disagg-on-generation-failure"
 
 
 def retry_policy(config: ClusterConfig) -> RetryPolicy:
@@ -41,7 +52,10 @@ def retry_policy(config: ClusterConfig) -> RetryPolicy:
 class Frontend:
     def __init__(self, config: ClusterConfig) -> None:
         self.config = config
-        self.cluster = Cluster(StaticDiscovery(config.context.urls, config.generation.urls))
+        self.cluster = Cluster(
+            StaticDiscovery(config.context.urls, config.generation.urls),
+            BreakerSettings(config.breaker_failures, config.breaker_cooldown),
+        )
         self.client = WorkerClient(config.connect_timeout)
         self.orchestrator = Orchestrator(
             make_policy(config.context.router.type, self.cluster.context),
@@ -55,8 +69,21 @@ class Frontend:
                 config.request_timeout,
             ),
         )
+        self.admission = Admission(
+            config.max_concurrent_requests, config.max_queued_requests, config.queue_timeout
+        )
+        self.metrics = Metrics()
+        self.metrics.track(lambda: self.admission.active, lambda: self.admission.queued)
+        self.draining = False
+        self.keeps_listening = False  # drain: new connections go to other replicas at once
         self._health_session: aiohttp.ClientSession | None = None
         self.monitor: HealthMonitor | None = None
+
+    def begin_drain(self) -> None:
+        self.draining = True
+
+    async def drained(self) -> None:
+        await self.admission.idle()
 
     def app(self) -> web.Application:
         app = web.Application(
@@ -70,6 +97,7 @@ class Frontend:
                 web.get("/v1/models", self.models),
                 web.get("/health", self.health),
                 web.get("/cluster_info", self.cluster_info),
+                web.get("/metrics", self.metrics_page),
             ]
         )
         app.on_startup.append(self._start)
@@ -102,6 +130,8 @@ class Frontend:
         await self.client.close()
 
     async def health(self, _request: web.Request) -> web.Response:
+        if self.draining:
+            return json_response({"status": "draining"}, status=503)
         if self.cluster.is_ready():
             return json_response({"status": "ok"})
         return json_response(
@@ -110,7 +140,11 @@ class Frontend:
         )
 
     async def cluster_info(self, _request: web.Request) -> web.Response:
-        return json_response(self.cluster.describe())
+        admission = {"active": self.admission.active, "queued": self.admission.queued}
+        return json_response({**self.cluster.describe(), "admission": admission})
+
+    async def metrics_page(self, _request: web.Request) -> web.Response:
+        return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
 
     async def models(self, _request: web.Request) -> web.Response:
         data = [
@@ -148,19 +182,23 @@ class Frontend:
             raise ModelNotFound(typed.model)
         return body, typed
 
-    def _prefill_failure_policy(self, request: web.Request) -> str:
-        value = request.headers.get(PREFILL_FAILURE_HEADER)
+    def _failure_policy(
+        self, request: web.Request, header: str, allowed: tuple[str, ...], default: str
+    ) -> str:
+        value = request.headers.get(header)
         if value is None or not self.config.failure_policy_header:
-            return self.config.on_prefill_failure
-        if value not in PREFILL_FAILURE_POLICIES:
+            return default
+        if value not in allowed:
             raise InvalidRequest(
-                f"header {PREFILL_FAILURE_HEADER} must be one of"
-                f" {', '.join(PREFILL_FAILURE_POLICIES)}, got {value!r}",
-                param=PREFILL_FAILURE_HEADER,
+                f"header {header} must be one of {', '.join(allowed)}, got {value!r}",
+                param=header,
             )
         return value
 
     async def _handle(self, request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
+        if self.draining:
+            self.metrics.rejected.labels("draining").inc()
+            raise ServiceUnavailable("the orchestrator is shutting down; retry elsewhere")
         body, typed = self._parse(await request.read(), endpoint)
         opts = getattr(typed, "stream_options", None)
         include_usage = bool(opts and opts.include_usage) or endpoint.path == "/v1/responses"
@@ -170,8 +208,28 @@ class Frontend:
             typed.model,
             typed.stream,
             include_usage,
-            self._prefill_failure_policy(request),
+            self._failure_policy(
+                request,
+                PREFILL_FAILURE_HEADER,
+                PREFILL_FAILURE_POLICIES,
+                self.config.on_prefill_failure,
+            ),
+            self._failure_policy(
+                request,
+                GENERATION_FAILURE_HEADER,
+                GENERATION_FAILURE_POLICIES,
+                self.config.on_generation_failure,
+            ),
         )
+        try:
+            async with self.admission.slot() as waited:
+                self.metrics.queue_wait.observe(waited)
+                return await self._serve(request, job)
+        except TooManyRequests as exc:
+            self.metrics.rejected.labels(exc.reason).inc()
+            raise
+
+    async def _serve(self, request: web.Request, job: Job) -> web.StreamResponse:
         result = await self.orchestrator.run(job)
         headers = {"x-disagg-route": result.route.header()}
         if result.body is not None:

@@ -24,20 +24,23 @@ HEADERS = {"Content-Type": "application/json", "X-TRTLLM-Msgpack": "1"}
 
 
 def worker_error(status: int, raw: bytes) -> UpstreamError:
-    """The worker's error status, message and `param`, as the client will see them."""
-    message, param = "", None
+    """The worker's error status, message, `param` and `code`, as the client will see them."""
+    message, param, code = "", None, None
     try:
         data = msgspec.json.decode(raw)
         err = data.get("error") if isinstance(data, dict) else None
         if isinstance(err, dict):
             message = str(err.get("message") or "")
             param = err.get("param") if isinstance(err.get("param"), str) else None
+            code = err.get("code") if isinstance(err.get("code"), str) else None
         elif isinstance(err, str):
             message = err
     except msgspec.DecodeError:
         pass
     message = message or raw[:500].decode(errors="replace").strip()
-    return UpstreamError(status, message or f"worker answered HTTP {status}", param=param)
+    return UpstreamError(
+        status, message or f"worker answered HTTP {status}", param=param, code=code
+    )
 
 
 _TRANSIENT_ERRNOS = frozenset({errno.ECONNRESET, errno.EPIPE, errno.ECONNABORTED})

@@ -7,7 +7,14 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from tests.conftest import BrokenWorker, Cluster, Procs, assert_no_leaks, start_cluster
+from tests.conftest import (
+    NO_BREAKER,
+    BrokenWorker,
+    Cluster,
+    Procs,
+    assert_no_leaks,
+    start_cluster,
+)
 
 BAD = [
     # (path, raw body, status, param)
@@ -123,7 +130,9 @@ def test_client_disaggregated_params_are_stripped(cluster: Cluster) -> None:
 @pytest.fixture(scope="module")
 def broken_ctx_cluster(procs: Procs, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     with BrokenWorker() as url:
-        yield start_cluster(procs, tmp_path_factory.mktemp("broken"), 0, 1, extra_ctx=[url])
+        yield start_cluster(
+            procs, tmp_path_factory.mktemp("broken"), 0, 1, extra_ctx=[url], **NO_BREAKER
+        )
 
 
 def test_worker_5xx_becomes_502(broken_ctx_cluster: Cluster) -> None:

@@ -9,13 +9,23 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from tests.conftest import BrokenWorker, Cluster, Procs, assert_no_leaks, route_of, start_cluster
+from tests.conftest import (
+    NO_BREAKER,
+    BrokenWorker,
+    Cluster,
+    Procs,
+    assert_no_leaks,
+    route_of,
+    start_cluster,
+)
 
 
 @pytest.fixture(scope="module")
 def broken_gen_cluster(procs: Procs, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     with BrokenWorker() as url:
-        c = start_cluster(procs, tmp_path_factory.mktemp("brokengen"), 1, 0, extra_gen=[url])
+        c = start_cluster(
+            procs, tmp_path_factory.mktemp("brokengen"), 1, 0, extra_gen=[url], **NO_BREAKER
+        )
         c.generation_urls = []  # the broken worker has no /stats to check
         yield c
 

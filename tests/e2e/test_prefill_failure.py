@@ -10,7 +10,15 @@ import httpx
 import openai
 import pytest
 
-from tests.conftest import BrokenWorker, Cluster, Procs, assert_no_leaks, route_of, start_cluster
+from tests.conftest import (
+    NO_BREAKER,
+    BrokenWorker,
+    Cluster,
+    Procs,
+    assert_no_leaks,
+    route_of,
+    start_cluster,
+)
 
 HEADER = "x-disagg-on-prefill-failure"
 
@@ -28,6 +36,7 @@ def failing_ctx(
             1,
             extra_ctx=[worker.url],
             max_retries=1,
+            **NO_BREAKER,
             retry_interval=0.01,
         )
         yield c, worker
@@ -102,6 +111,7 @@ def test_config_policy_and_header_switch(procs: Procs, tmp_path: Path) -> None:
             0,
             1,
             extra_ctx=[url],
+            **NO_BREAKER,
             on_prefill_failure="local",
             failure_policy_header=False,
         )

@@ -320,9 +320,12 @@ class Scheduler:
     # -- pinned KV for the generation worker ------------------------------------------------
 
     def take_pinned(self, ctx_request_id: int, start_block: int) -> tuple[np.ndarray, int]:
-        """Hand out a pinned sequence's KV blocks (from `start_block`) and release them."""
-        blocks, _deadline = self.pinned.pop(ctx_request_id)
+        """Hand out a pinned sequence's KV blocks (from `start_block`) and release them.
+        KeyError when unknown, already fetched or past its lease (even if not yet swept)."""
+        blocks, deadline = self.pinned.pop(ctx_request_id)
         try:
+            if deadline <= time.monotonic():
+                raise KeyError(ctx_request_id)
             data = self.bm.read_blocks(blocks.block_table[start_block:])
             return data, len(blocks.token_ids)
         finally:

@@ -1,5 +1,5 @@
 """The reference worker's HTTP API: OpenAI endpoints, context_only / generation_only legs,
-the KV fetch endpoint, health and stats.
+the KV fetch endpoint, health and stats, and a drain that finishes its legs on SIGTERM.
 
 Handlers parse and answer; the scheduler thread does all model and KV-cache work.
 """
@@ -23,6 +23,7 @@ from disagg.engine.scheduler import Event, Scheduler, Sequence
 from disagg.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from disagg.engine.transfer import KVPayload, OpaqueState, TransferError
 from disagg.errors import (
+    KV_TRANSFER_FAILED,
     DisaggError,
     InvalidRequest,
     ModelNotFound,
@@ -78,6 +79,24 @@ class Worker:
             lease_s=settings.kv_lease_s,
         )
         self._session: aiohttp.ClientSession | None = None
+        self.draining = False
+        self.keeps_listening = True  # while draining, generation workers still pull KV
+        self._legs = 0  # inference requests being handled
+
+    # -- drain ------------------------------------------------------------------------------
+
+    def begin_drain(self) -> None:
+        """Refuse new legs (503) and say `draining` on /health; KV fetches still work."""
+        self.draining = True
+
+    async def drained(self) -> None:
+        """Return once no leg runs and no pinned KV waits for its generation worker."""
+        while True:
+            if self._legs == 0:
+                stats = await self.scheduler.call(self.scheduler.stats)
+                if stats["pinned"] == 0:
+                    return
+            await asyncio.sleep(0.05)
 
     # -- app --------------------------------------------------------------------------------
 
@@ -114,6 +133,8 @@ class Worker:
     # -- small endpoints --------------------------------------------------------------------
 
     async def health(self, _request: web.Request) -> web.Response:
+        if self.draining:
+            return json_response({"status": "draining", "role": self.settings.role}, status=503)
         return json_response({"status": "ok", "role": self.settings.role})
 
     async def models(self, _request: web.Request) -> web.Response:
@@ -168,16 +189,25 @@ class Worker:
 
     def _endpoint(self, kind: str) -> Any:
         async def handler(request: web.Request) -> web.StreamResponse:
-            msgpack = request.headers.get("X-TRTLLM-Msgpack") == "1"
-            req: Any = validate(decode_body(await request.read(), msgpack=msgpack), _KINDS[kind])
-            if req.model != self.settings.model_name:
-                raise ModelNotFound(req.model)
-            job = build_job(
-                kind, req, self.tokenizer, self.settings.model_name, self.model.config.max_position
-            )
-            return await self._run(request, job)
+            if self.draining:
+                raise ServiceUnavailable("this worker is draining; send the leg elsewhere")
+            self._legs += 1
+            try:
+                return await self._leg(request, kind)
+            finally:
+                self._legs -= 1
 
         return handler
+
+    async def _leg(self, request: web.Request, kind: str) -> web.StreamResponse:
+        msgpack = request.headers.get("X-TRTLLM-Msgpack") == "1"
+        req: Any = validate(decode_body(await request.read(), msgpack=msgpack), _KINDS[kind])
+        if req.model != self.settings.model_name:
+            raise ModelNotFound(req.model)
+        job = build_job(
+            kind, req, self.tokenizer, self.settings.model_name, self.model.config.max_position
+        )
+        return await self._run(request, job)
 
     def _check_role(self, request_type: str) -> None:
         role = self.settings.role
@@ -337,7 +367,10 @@ class Worker:
             payload = await self._fetch(state, start)
             table = blocks.block_table[start:]
             if payload.data.shape[2] != len(table) or payload.num_tokens != len(job.prompt_ids):
-                raise WorkerUnavailable("KV transfer returned the wrong number of blocks/tokens")
+                raise WorkerUnavailable(
+                    "KV transfer returned the wrong number of blocks/tokens",
+                    code=KV_TRANSFER_FAILED,
+                )
 
             def store() -> None:
                 self.blocks.write_blocks(table, payload.data)
@@ -379,14 +412,19 @@ class Worker:
                 if resp.status != 200:
                     raise WorkerUnavailable(
                         f"KV fetch from the context worker failed ({resp.status}): "
-                        + raw[:300].decode(errors="replace")
+                        + raw[:300].decode(errors="replace"),
+                        code=KV_TRANSFER_FAILED,
                     )
         except aiohttp.ClientError as exc:
-            raise WorkerUnavailable(f"KV fetch from the context worker failed: {exc}") from None
+            raise WorkerUnavailable(
+                f"KV fetch from the context worker failed: {exc}", code=KV_TRANSFER_FAILED
+            ) from None
         try:
             return KVPayload.from_bytes(raw, state)
         except TransferError as exc:
-            raise WorkerUnavailable(f"bad KV payload from the context worker: {exc}") from None
+            raise WorkerUnavailable(
+                f"bad KV payload from the context worker: {exc}", code=KV_TRANSFER_FAILED
+            ) from None
 
 
 def _int_field(data: dict[str, Any], name: str, default: int | None = None) -> int:

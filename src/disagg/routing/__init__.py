@@ -7,6 +7,7 @@ picks one; the reservation it returns is finished exactly once.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, replace
 from typing import Protocol
 
@@ -41,19 +42,28 @@ class Policy(Protocol):
 
 
 class Reservation:
-    """One placed leg; `finish` is idempotent so every exit path may call it."""
+    """One placed leg; `finish` is idempotent so every exit path may call it.
+
+    The worker's circuit breaker hears of the placement here; its verdict (whose fault a
+    failure was) is the orchestrator's to give, through `judge`."""
 
     __slots__ = ("_done", "policy", "request", "worker")
 
     def __init__(self, policy: Policy, request: RouteRequest) -> None:
         self.policy, self.request = policy, request
         self.worker = policy.pick(request)
+        self.worker.breaker.on_pick(time.monotonic())
         self._done = False
+
+    def judge(self, ok: bool) -> None:
+        """The leg worked (True) or failed by this worker's fault (False)."""
+        self.worker.breaker.record(ok, time.monotonic())
 
     def finish(self, success: bool) -> None:
         if self._done:
             return
         self._done = True
+        self.worker.breaker.settle()
         self.policy.finish(self.worker, self.request, success)
 
 

@@ -1,4 +1,5 @@
-"""Round robin over the pool's ready workers, with in-flight counts per worker."""
+"""Round robin over the pool's available workers (ready, not draining, breaker closed or
+probing), with in-flight counts per worker."""
 
 from __future__ import annotations
 
@@ -13,10 +14,11 @@ class RoundRobin:
         self._next = 0
 
     def pick(self, request: RouteRequest) -> WorkerState:
-        ready = self.pool.ready(request.model)
+        ready = self.pool.available(request.model)
         if not ready:
             raise ServiceUnavailable(
-                f"no ready {self.pool.role} worker for model `{request.model}`"
+                f"no {self.pool.role} worker can take model `{request.model}` now"
+                " (none ready, or all draining or with an open circuit breaker)"
             )
         # A retry goes elsewhere when the pool has another ready worker.
         ready = [w for w in ready if w.url not in request.avoid] or ready
