@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import json
 import random
+import re
 import signal
 import socket
 import string
@@ -20,7 +21,6 @@ import struct
 import sys
 import tempfile
 from collections import Counter
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -30,16 +30,17 @@ import yaml
 from disagg.demo import free_port
 
 HOST = "127.0.0.1"
-# Deadlines short enough that a stopped worker is noticed, long enough that a healthy leg under
-# this load (2 CPU cores, 32 clients) never comes near one.
+# Measured on 2 cores with 32 clients: a healthy request waits up to ~7 s for its answer to
+# start (~11 s while a pool is down to one worker), chunks come < 1 s apart. The leg deadlines
+# sit above that, so only a fault (or the orchestrator) ever trips them.
 TUNING: dict[str, Any] = {
     "health_check_interval": 0.5,
     "health_fail_threshold": 2,
     "health_ok_threshold": 1,
     "request_timeout": 30,
     "connect_timeout": 1,
-    "context_timeout": 10,
-    "first_token_timeout": 10,
+    "context_timeout": 15,
+    "first_token_timeout": 15,
     "stream_idle_timeout": 5,
     "max_retries": 3,
     "transient_retries": 5,
@@ -49,11 +50,13 @@ HUNG_AFTER_S = TUNING["request_timeout"] + 10
 FAULT_EVERY_S = (2.0, 3.0)
 FAULT_HOLD_S = 2.0
 RESTART_AFTER_S = 1.0
-RESET_AFTER_BYTES = (200, 600)  # past the HTTP headers, into the body or first SSE chunk
+RESET_AFTER_BYTES = (200, 600)  # past the HTTP headers, into the body or an SSE event
 STARTUP_S, SETTLE_S, STOP_S = 60.0, 30.0, 10.0
 PROBE = aiohttp.ClientTimeout(total=2)
 ALPHABET = string.ascii_letters + string.digits + "     .,?"
 RESULTS = Path(__file__).parent / "results" / "chaos.json"
+
+Tally = dict[str, Counter[str]]  # "stream" / "non_stream" / "notes" -> what -> count
 
 
 class Process:
@@ -97,9 +100,9 @@ class Process:
         except TimeoutError:
             await self.kill()
 
-    async def wait_healthy(self, session: aiohttp.ClientSession, timeout_s: float) -> None:
+    async def wait_healthy(self, session: aiohttp.ClientSession) -> None:
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
+        deadline = loop.time() + STARTUP_S
         while loop.time() < deadline:
             if not self.running:
                 raise RuntimeError(f"{self.name} exited; see {self.log}")
@@ -108,26 +111,24 @@ class Process:
                     if resp.status == 200:
                         return
             await asyncio.sleep(0.1)
-        raise TimeoutError(f"{self.name} not healthy after {timeout_s:g} s; see {self.log}")
-
-
-def _reset(writer: asyncio.StreamWriter) -> None:
-    """Close with a TCP RST instead of a FIN."""
-    sock = writer.get_extra_info("socket")
-    if sock is not None:
-        with contextlib.suppress(OSError):
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-    writer.transport.abort()
+        raise TimeoutError(f"{self.name} not healthy after {STARTUP_S:g} s; see {self.log}")
 
 
 class _Connection:
+    """Both sides of one proxied connection."""
+
     def __init__(self, client: asyncio.StreamWriter, worker: asyncio.StreamWriter) -> None:
-        self.client, self.worker = client, worker
+        self.sides = (client, worker)
         self.cut: int | None = None  # answer bytes still forwarded before the reset
 
     def reset(self) -> None:
-        _reset(self.client)
-        _reset(self.worker)
+        """Close both sides with a TCP RST instead of a FIN."""
+        for writer in self.sides:
+            sock = writer.get_extra_info("socket")
+            if sock is not None:
+                with contextlib.suppress(OSError):
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            writer.transport.abort()
 
 
 class ResetProxy:
@@ -158,7 +159,7 @@ class ResetProxy:
         try:
             up_reader, up_writer = await asyncio.open_connection(HOST, self.target_port)
         except OSError:
-            _reset(writer)
+            writer.transport.abort()
             return
         conn = _Connection(writer, up_writer)
         self._open.add(conn)
@@ -198,9 +199,6 @@ class ResetProxy:
             conn.reset()
 
 
-Tally = dict[str, Counter[str]]  # "stream" / "non_stream" -> outcome -> count
-
-
 def _random_request(rng: random.Random) -> tuple[str, dict[str, Any]]:
     prompt = "".join(rng.choices(ALPHABET, k=rng.randint(5, 200)))
     body: dict[str, Any] = {
@@ -214,38 +212,57 @@ def _random_request(rng: random.Random) -> tuple[str, dict[str, Any]]:
     return "/v1/chat/completions", {**body, "messages": [{"role": "user", "content": prompt}]}
 
 
-def _whole_answer(status: int, raw: bytes) -> str:
-    """ "ok" (200 with choices), "error" (an OpenAI error body) or "broken"."""
+def _note(error: Any) -> str:
+    """An error object as one short line, numbers (ports, ids) masked so that like counts like."""
+    if not isinstance(error, dict):
+        return f"error: {error!r}"[:120]
+    return re.sub(r"\d+", "N", f"{error.get('type')}: {error.get('message')}")[:120]
+
+
+def _whole_answer(status: int, raw: bytes) -> tuple[str, str]:
+    """'ok' (200 with choices), 'error' (an OpenAI error body, any status) or 'broken', and
+    what the error said."""
     try:
         data = json.loads(raw)
     except ValueError:
-        return "broken"
-    if not isinstance(data, dict):
-        return "broken"
-    if status == 200 and data.get("choices"):
-        return "ok"
-    return "error" if isinstance(data.get("error"), dict) else "broken"
+        data = None
+    if isinstance(data, dict) and status == 200 and data.get("choices"):
+        return "ok", ""
+    if isinstance(data, dict) and isinstance(data.get("error"), dict):
+        return "error", f"HTTP {status} {_note(data['error'])}"
+    return "broken", f"HTTP {status} without an error object"
 
 
-async def _stream_answer(resp: aiohttp.ClientResponse) -> str:
-    """ "ok", "error_event" (an error event, then [DONE]) or "no_error_event"."""
-    done = finished = errored = False
+async def _stream_answer(resp: aiohttp.ClientResponse) -> tuple[str, str]:
+    """'ok', 'error_event' (an error event, then [DONE]), 'torn' (a line that is not a `data:`
+    field, or an event that is not a JSON object) or 'dropped' (it ended without [DONE], or
+    without an error or a finish_reason)."""
+    done = finished = False
+    error = ""
     try:
         async for line in resp.content:
             if not line.startswith(b"data: "):
+                if line.strip() and not line.startswith(b":"):
+                    return "torn", "line " + re.sub(r"\d+", "N", repr(line[:60]))
                 continue
             payload = line[6:].strip()
             if payload == b"[DONE]":
                 done = True
                 continue
-            event = json.loads(payload)
-            errored = errored or "error" in event
+            try:
+                event = json.loads(payload)
+            except ValueError:
+                event = None
+            if not isinstance(event, dict):
+                return "torn", "event ending " + re.sub(r"\d+", "N", repr(payload[-60:]))
+            if "error" in event:
+                error = error or _note(event["error"])
             finished = finished or any(c.get("finish_reason") for c in event.get("choices") or [])
-    except (aiohttp.ClientError, ValueError):
-        return "no_error_event"
-    if done and errored:
-        return "error_event"
-    return "ok" if done and finished else "no_error_event"
+    except aiohttp.ClientError as exc:
+        return "dropped", type(exc).__name__
+    if done and error:
+        return "error_event", error
+    return ("ok", "") if done and finished else ("dropped", f"done={done} finished={finished}")
 
 
 async def _client(
@@ -254,59 +271,65 @@ async def _client(
     loop = asyncio.get_running_loop()
     while loop.time() < end:
         path, body = _random_request(rng)
-        stream = body["stream"]
+        kind = "stream" if body["stream"] else "non_stream"
         try:
             async with asyncio.timeout(HUNG_AFTER_S), session.post(url + path, json=body) as resp:
-                if stream and resp.status == 200:
-                    outcome = await _stream_answer(resp)
+                if body["stream"] and resp.status == 200:
+                    outcome, note = await _stream_answer(resp)
                 else:
-                    outcome = _whole_answer(resp.status, await resp.read())
+                    outcome, note = _whole_answer(resp.status, await resp.read())
         except TimeoutError:
-            outcome = "hung"
-        except aiohttp.ClientError:
-            outcome = "broken"
-        if stream:
-            outcome = {"error": "error_event", "broken": "no_error_event"}.get(outcome, outcome)
-        tally["stream" if stream else "non_stream"][outcome] += 1
+            outcome, note = "hung", f"no answer within {HUNG_AFTER_S} s"
+        except aiohttp.ClientError as exc:
+            outcome, note = "broken", type(exc).__name__
+        if kind == "stream":
+            outcome = {"error": "error_event", "broken": "dropped"}.get(outcome, outcome)
+        tally[kind][outcome] += 1
+        if note:
+            tally["notes"][f"{kind} {outcome}: {note}"] += 1
 
 
 class Chaos:
-    """One fault every 2-3 s until `end`; the kinds take turns in a shuffled order."""
+    """A fault 2-3 s after the previous one began (or when it ends, if later) until `end`;
+    the kinds take turns in a shuffled order."""
+
+    KINDS = ("kill9", "sigstop", "reset")
 
     def __init__(
-        self,
-        workers: list[Process],
-        proxy: ResetProxy,
-        session: aiohttp.ClientSession,
-        rng: random.Random,
+        self, workers: list[Process], proxy: ResetProxy, probe: aiohttp.ClientSession, seed: float
     ) -> None:
-        self.workers, self.proxy, self.session, self.rng = workers, proxy, session, rng
-        self.counts: Counter[str] = Counter({"kill9": 0, "sigstop": 0, "reset": 0})
-        self.faults: dict[str, Callable[[], Awaitable[None]]] = {
-            "kill9": self.kill9,
-            "sigstop": self.sigstop,
-            "reset": self.reset,
-        }
+        self.workers, self.proxy, self.probe = workers, proxy, probe
+        self.rng = random.Random(seed)
+        self.counts: Counter[str] = Counter(dict.fromkeys(self.KINDS, 0))
+        self.timeline: list[str] = []  # "<s since the load began> <fault> <target>"
 
     async def run(self, end: float) -> None:
         loop = asyncio.get_running_loop()
         turn: list[str] = []
-        while (pause := self.rng.uniform(*FAULT_EVERY_S)) < end - loop.time():
-            await asyncio.sleep(pause)
-            turn = turn or self.rng.sample(list(self.faults), len(self.faults))
+        began = at = loop.time()
+        while (at := at + self.rng.uniform(*FAULT_EVERY_S)) < end:
+            await asyncio.sleep(max(0.0, at - loop.time()))
+            at = loop.time()
+            turn = turn or self.rng.sample(self.KINDS, len(self.KINDS))
             kind = turn.pop()
-            await self.faults[kind]()
+            worker = self.rng.choice(self.workers)
+            target = "proxy" if kind == "reset" else worker.name
+            self.timeline.append(f"{at - began:.1f} {kind} {target}")
+            if kind == "kill9":
+                await self.kill9(worker)
+            elif kind == "sigstop":
+                await self.sigstop(worker)
+            else:
+                await self.reset()
             self.counts[kind] += 1
 
-    async def kill9(self) -> None:
-        worker = self.rng.choice(self.workers)
+    async def kill9(self, worker: Process) -> None:
         await worker.kill()
         await asyncio.sleep(RESTART_AFTER_S)
         await worker.start()
-        await worker.wait_healthy(self.session, STARTUP_S)
+        await worker.wait_healthy(self.probe)
 
-    async def sigstop(self) -> None:
-        worker = self.rng.choice(self.workers)
+    async def sigstop(self, worker: Process) -> None:
         worker.signal(signal.SIGSTOP)
         try:
             await asyncio.sleep(FAULT_HOLD_S)
@@ -327,74 +350,56 @@ async def _get(session: aiohttp.ClientSession, url: str) -> Any:
         return await resp.json()
 
 
-async def _kv_stats(session: aiohttp.ClientSession, workers: list[Process]) -> list[Any]:
-    return [(await _get(session, w.url + "/stats"))["kv"] for w in workers]
-
-
-async def _snapshot(
-    session: aiohttp.ClientSession, orchestrator: Process, workers: list[Process]
-) -> dict[str, Any]:
-    """Leak figures: in-flight legs (the orchestrator's view), then each worker's own stats."""
-    info = await _get(session, orchestrator.url + "/cluster_info")
-    pools = info["context_servers"] + info["generation_servers"]
-    stats = [await _get(session, w.url + "/stats") for w in workers]
-    kv = [s["kv"] for s in stats]
-    return {
-        "in_flight": sum(w["in_flight"] for w in pools),
-        "pinned": sum(s["pinned"] for s in stats),
-        "busy": sum(s["running"] + s["waiting"] for s in stats),
-        "used": sum(k["used"] for k in kv),
-        "free": [k["free"] + k["cached"] for k in kv],
-        "full": all(k["free"] + k["cached"] == k["num_blocks"] for k in kv),
-    }
+async def _kv(session: aiohttp.ClientSession, workers: list[Process]) -> list[dict[str, Any]]:
+    """Each worker's /stats, asked on its own port (never through the proxy)."""
+    return [await _get(session, w.url + "/stats") for w in workers]
 
 
 async def _settle(
-    session: aiohttp.ClientSession,
-    orchestrator: Process,
-    workers: list[Process],
-    start_free: list[int],
+    session: aiohttp.ClientSession, orchestrator: Process, workers: list[Process], free0: list[int]
 ) -> dict[str, Any]:
-    """The first clean snapshot within SETTLE_S, else the last one taken."""
+    """Leak figures: the first clean snapshot within SETTLE_S, else the last one taken."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + SETTLE_S
-    last: dict[str, Any] | None = None
+    snap: dict[str, Any] | None = None
     while loop.time() < deadline:
         with contextlib.suppress(aiohttp.ClientError, TimeoutError):
-            last = await _snapshot(session, orchestrator, workers)
-            last["kv_blocks_restored"] = (
-                last["used"] == 0 and last["full"] and last["free"] == start_free
-            )
-            quiet = not (last["in_flight"] or last["pinned"] or last["busy"])
-            if quiet and last["kv_blocks_restored"]:
-                return last
+            info = await _get(session, orchestrator.url + "/cluster_info")
+            stats = await _kv(session, workers)
+            kv = [s["kv"] for s in stats]
+            snap = {
+                "in_flight": sum(
+                    w["in_flight"] for w in info["context_servers"] + info["generation_servers"]
+                ),
+                "pinned": sum(s["pinned"] for s in stats),
+                "worker_busy": sum(s["running"] + s["waiting"] for s in stats),
+                "kv_blocks_restored": all(k["used"] == 0 for k in kv)
+                and [k["free"] + k["cached"] for k in kv] == free0
+                and all(k["free"] + k["cached"] == k["num_blocks"] for k in kv),
+            }
+            if snap["kv_blocks_restored"] and not (
+                snap["in_flight"] or snap["pinned"] or snap["worker_busy"]
+            ):
+                return snap
         await asyncio.sleep(0.25)
-    if last is None:
+    if snap is None:
         raise RuntimeError(f"no leak snapshot succeeded within {SETTLE_S:g} s")
-    return last
+    return snap
 
 
 def _config(port: int, proxy: ResetProxy, workers: list[Process]) -> dict[str, Any]:
     def urls(role: str) -> list[str]:
-        return [
-            f"{HOST}:{proxy.port if w.port == proxy.target_port else w.port}"
-            for w in workers
-            if w.name.startswith(role)
-        ]
+        ports = [w.port for w in workers if w.name.startswith(role)]
+        return [f"{HOST}:{proxy.port if p == proxy.target_port else p}" for p in ports]
 
-    return {
-        "hostname": HOST,
-        "port": port,
-        "context_servers": {"urls": urls("context")},
-        "generation_servers": {"urls": urls("generation")},
-        **TUNING,
-    }
+    pools = {"context_servers": {"urls": urls("context")}}
+    pools["generation_servers"] = {"urls": urls("generation")}
+    return {"hostname": HOST, "port": port, **pools, **TUNING}
 
 
-async def _load(
-    url: str, duration_s: float, concurrency: int, rng: random.Random, chaos: Chaos
-) -> Tally:
-    tally: Tally = {"non_stream": Counter(), "stream": Counter()}
+async def _load(url: str, duration_s: float, concurrency: int, seed: float, chaos: Chaos) -> Tally:
+    tally: Tally = {"non_stream": Counter(), "stream": Counter(), "notes": Counter()}
+    rng = random.Random(seed)
     end = asyncio.get_running_loop().time() + duration_s
     connector = aiohttp.TCPConnector(limit=concurrency + 8)
     async with aiohttp.ClientSession(connector=connector) as session, asyncio.TaskGroup() as tg:
@@ -413,7 +418,7 @@ def _result(tally: Tally, snap: dict[str, Any], chaos: Chaos, elapsed_s: float) 
         "pinned": snap["pinned"],
         "kv_blocks_restored": snap["kv_blocks_restored"],
         "non_stream_success_rate": round(ns["ok"] / n_ns, 4) if n_ns else 0.0,
-        "stream_failed_without_error_event": st["no_error_event"],
+        "stream_failed_without_error_event": st["torn"] + st["dropped"],
         "requests": n_ns + n_st,
         "requests_per_s": round((n_ns + n_st) / elapsed_s, 1),
         "non_stream": {"total": n_ns, **ns},
@@ -421,8 +426,9 @@ def _result(tally: Tally, snap: dict[str, Any], chaos: Chaos, elapsed_s: float) 
         "stream_failed_with_error_event": st["error_event"],
         "faults": dict(chaos.counts),
         "proxy_resets": chaos.proxy.resets,
-        "worker_busy": snap["busy"],
-        "kv_used": snap["used"],
+        "worker_busy": snap["worker_busy"],
+        "failures": dict(tally["notes"].most_common()),
+        "fault_timeline": chaos.timeline,
     }
 
 
@@ -431,11 +437,14 @@ async def run_chaos(
 ) -> dict[str, Any]:
     """Start the cluster, load it under faults for `duration_s`, settle, report; logs and the
     cluster file go to `workdir` (a temporary directory if None)."""
+    rng = random.Random(seed)
     if workdir is not None:
         await asyncio.to_thread(workdir.mkdir, parents=True, exist_ok=True)
-        return await _run(duration_s, concurrency, random.Random(seed), workdir)
-    with tempfile.TemporaryDirectory(prefix="disagg-chaos-") as tmp:
-        return await _run(duration_s, concurrency, random.Random(seed), Path(tmp))
+        result = await _run(duration_s, concurrency, rng, workdir)
+    else:
+        with tempfile.TemporaryDirectory(prefix="disagg-chaos-") as tmp:
+            result = await _run(duration_s, concurrency, rng, Path(tmp))
+    return {**result, "duration_s": duration_s, "concurrency": concurrency, "seed": seed}
 
 
 async def _run(
@@ -446,51 +455,46 @@ async def _run(
         for role in ("context", "generation")
         for i, port in enumerate((free_port(), free_port()))
     ]
-    config = workdir / "cluster.yaml"
-    port = free_port()
+    config, port = workdir / "cluster.yaml", free_port()
     orchestrator = Process("orchestrator", ["serve", "--config", str(config)], port, workdir)
     proxy = ResetProxy(workers[2].port, random.Random(rng.random()))
     loop = asyncio.get_running_loop()
-    async with aiohttp.ClientSession() as session:
+    async with aiohttp.ClientSession() as probe:
         try:
             await proxy.start()
             for w in workers:
                 await w.start()
             for w in workers:
-                await w.wait_healthy(session, STARTUP_S)
-            start_free = [k["free"] + k["cached"] for k in await _kv_stats(session, workers)]
+                await w.wait_healthy(probe)
+            free0 = [s["kv"]["free"] + s["kv"]["cached"] for s in await _kv(probe, workers)]
             config.write_text(yaml.safe_dump(_config(port, proxy, workers)))
             await orchestrator.start()
-            await orchestrator.wait_healthy(session, STARTUP_S)
+            await orchestrator.wait_healthy(probe)
 
-            chaos = Chaos(workers, proxy, session, random.Random(rng.random()))
+            chaos = Chaos(workers, proxy, probe, rng.random())
             began = loop.time()
-            tally = await _load(orchestrator.url, duration_s, concurrency, rng, chaos)
+            tally = await _load(orchestrator.url, duration_s, concurrency, rng.random(), chaos)
             elapsed = loop.time() - began
             for w in workers:
                 w.signal(signal.SIGCONT)
                 if not w.running:
                     await w.start()
-                await w.wait_healthy(session, STARTUP_S)
-            snap = await _settle(session, orchestrator, workers, start_free)
+                await w.wait_healthy(probe)
+            snap = await _settle(probe, orchestrator, workers, free0)
         finally:
             for p in (orchestrator, *workers):
                 await p.stop()
             await proxy.close()
-    return {
-        **_result(tally, snap, chaos, elapsed),
-        "duration_s": duration_s,
-        "concurrency": concurrency,
-    }
+    return _result(tally, snap, chaos, elapsed)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.chaos", description=__doc__)
     parser.add_argument("--duration", type=float, default=30.0, help="seconds of load")
-    parser.add_argument("--concurrency", type=int, default=32, help="clients in a loop")
+    parser.add_argument("--concurrency", type=int, default=32, help="clients, each in a loop")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=RESULTS, help="where the JSON line goes")
-    parser.add_argument("--workdir", type=Path, default=None, help="keep logs here")
+    parser.add_argument("--workdir", type=Path, default=None, help="keep logs and config here")
     args = parser.parse_args(argv)
     result = asyncio.run(run_chaos(args.duration, args.concurrency, args.seed, args.workdir))
     line = json.dumps(result)

@@ -77,6 +77,10 @@ class Drainable(Protocol):
         """Return once no work is in flight."""
         ...
 
+    def cut(self) -> None:
+        """The drain deadline passed: end what still runs, with a reason where it can."""
+        ...
+
 
 async def serve(
     app: web.Application,
@@ -89,7 +93,8 @@ async def serve(
     """Serve `app` until SIGINT/SIGTERM or cancellation, then clean up. With `drain`, the
     first signal drains for up to `drain_s` (a second one cuts that short); what is still
     running afterwards is cancelled."""
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=2.0)
+    # After the drain, what still runs gets 1 s to end on its own, then 1 s once cancelled.
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0)
     await runner.setup()
     site = web.TCPSite(runner, host, port, reuse_address=True, backlog=4096)
     await site.start()
@@ -122,7 +127,9 @@ async def _drain(drain: Drainable, site: web.TCPSite, drain_s: float, force: asy
     try:
         await asyncio.wait([done, forced], timeout=drain_s, return_when=asyncio.FIRST_COMPLETED)
         if not done.done():
-            log.warning("drain ended with work still in flight; it is cancelled now")
+            log.warning("drain ended with work still in flight; it is cut now")
+            drain.cut()
+            await asyncio.wait([done], timeout=1.0)
     finally:
         for task in (done, forced):
             task.cancel()

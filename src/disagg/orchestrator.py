@@ -12,7 +12,7 @@ import itertools
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -96,8 +96,8 @@ class Result:
 
     route: Route
     body: dict[str, Any] | None = None
-    chunks: AsyncIterator[bytes] | None = None
-    close: Callable[[], None] = field(default=lambda: None)
+    chunks: AsyncGenerator[bytes, None] | None = None
+    close: Callable[[], Awaitable[None]] = field(default=lambda: _nothing())
 
 
 class Orchestrator:
@@ -378,8 +378,9 @@ class _Relay:
         self.on_failure = on_failure  # frees the context KV if the worker never fetched it
         self.idle_s, self.deadline = idle_s, deadline
         self.ok = False
+        self._released = False
 
-    async def chunks(self) -> AsyncIterator[bytes]:
+    async def chunks(self) -> AsyncGenerator[bytes, None]:
         loop = asyncio.get_running_loop()
         try:
             while True:
@@ -395,13 +396,23 @@ class _Relay:
             log.warning("generation stream from %s broke: %r", self.reservation.worker.url, exc)
             if self.deadline > loop.time():  # not the request's own deadline
                 self.reservation.judge(False)
-            await self.on_failure()
+            await self._release()
             yield sse_data(_stream_error(exc, self.deadline - loop.time()).body())
             yield DONE
 
-    def close(self) -> None:
+    async def close(self) -> None:
+        """The stream is over, relayed or not (the client may have left mid-way)."""
         self.upstream.close()
         self.reservation.finish(self.ok)
+        if not self.ok:
+            # Cheap when the worker fetched the KV already (the reference worker answers
+            # 200 only then); frees it when a worker accepted the leg but never pulled it.
+            await self._release()
+
+    async def _release(self) -> None:
+        if not self._released:
+            self._released = True
+            await self.on_failure()
 
 
 def _stream_error(exc: BaseException, left_s: float) -> DisaggError:
@@ -411,6 +422,10 @@ def _stream_error(exc: BaseException, left_s: float) -> DisaggError:
     return WorkerUnavailable(f"generation worker stream failed: {type(exc).__name__}")
 
 
-async def _iterate(chunks: list[bytes]) -> AsyncIterator[bytes]:
+async def _nothing() -> None:
+    return None
+
+
+async def _iterate(chunks: list[bytes]) -> AsyncGenerator[bytes, None]:
     for chunk in chunks:
         yield chunk

@@ -9,6 +9,7 @@ happens here.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from typing import Any
 
@@ -76,6 +77,8 @@ class Frontend:
         self.metrics.track(lambda: self.admission.active, lambda: self.admission.queued)
         self.draining = False
         self.keeps_listening = False  # drain: new connections go to other replicas at once
+        self._streams: set[asyncio.Task[Any]] = set()  # handlers relaying a stream
+        self._cut = False
         self._health_session: aiohttp.ClientSession | None = None
         self.monitor: HealthMonitor | None = None
 
@@ -84,6 +87,12 @@ class Frontend:
 
     async def drained(self) -> None:
         await self.admission.idle()
+
+    def cut(self) -> None:
+        """The drain deadline passed: end every open stream with an error event."""
+        self._cut = True
+        for task in self._streams:
+            task.cancel()
 
     def app(self) -> web.Application:
         app = web.Application(
@@ -235,6 +244,8 @@ class Frontend:
         if result.body is not None:
             return json_response(result.body, headers=headers)
         assert result.chunks is not None
+        task = asyncio.current_task()
+        assert task is not None
         try:
             resp = web.StreamResponse(
                 headers={
@@ -244,10 +255,19 @@ class Frontend:
                 }
             )
             await resp.prepare(request)
+            self._streams.add(task)
             try:
-                async for chunk in result.chunks:
-                    await resp.write(chunk)
-            except (asyncio.CancelledError, ConnectionError):
+                async with contextlib.aclosing(result.chunks) as chunks:
+                    async for chunk in chunks:
+                        await resp.write(chunk)
+            except asyncio.CancelledError:
+                if not self._cut:
+                    raise
+                # The drain deadline passed (see `cut`): end the stream with a reason.
+                task.uncancel()
+                gone = ServiceUnavailable("the server shut down before the answer ended")
+                await resp.write(sse_data(gone.body()) + DONE)
+            except ConnectionError:
                 raise
             except Exception:
                 # The response has started: end it with an error event, never a second answer.
@@ -256,4 +276,5 @@ class Frontend:
             await resp.write_eof()
             return resp
         finally:
-            result.close()
+            self._streams.discard(task)
+            await result.close()

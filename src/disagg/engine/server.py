@@ -89,6 +89,10 @@ class Worker:
         """Refuse new legs (503) and say `draining` on /health; KV fetches still work."""
         self.draining = True
 
+    def cut(self) -> None:
+        """Nothing to do: the legs still running end when the server closes their
+        connections, which aborts their sequences."""
+
     async def drained(self) -> None:
         """Return once no leg runs and no pinned KV waits for its generation worker."""
         while True:
