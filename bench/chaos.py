@@ -181,8 +181,9 @@ class ResetProxy:
     ) -> None:
         try:
             while data := await src.read(65536):
-                if to_worker and self.resetting and data.startswith(b"POST /v1/"):
-                    conn.cut = self.rng.randint(*RESET_AFTER_BYTES)
+                if to_worker and data.startswith((b"GET ", b"POST ")):  # a new request
+                    doomed = self.resetting and data.startswith(b"POST /v1/")
+                    conn.cut = self.rng.randint(*RESET_AFTER_BYTES) if doomed else None
                 if not to_worker and conn.cut is not None:
                     data = data[: conn.cut]
                     conn.cut -= len(data)
@@ -392,9 +393,13 @@ def _config(port: int, proxy: ResetProxy, workers: list[Process]) -> dict[str, A
         ports = [w.port for w in workers if w.name.startswith(role)]
         return [f"{HOST}:{proxy.port if p == proxy.target_port else p}" for p in ports]
 
-    pools = {"context_servers": {"urls": urls("context")}}
-    pools["generation_servers"] = {"urls": urls("generation")}
-    return {"hostname": HOST, "port": port, **pools, **TUNING}
+    return {
+        "hostname": HOST,
+        "port": port,
+        "context_servers": {"urls": urls("context")},
+        "generation_servers": {"urls": urls("generation")},
+        **TUNING,
+    }
 
 
 async def _load(url: str, duration_s: float, concurrency: int, seed: float, chaos: Chaos) -> Tally:
