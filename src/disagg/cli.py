@@ -32,6 +32,7 @@ def _worker(args: argparse.Namespace) -> int:
         num_blocks=args.num_blocks,
         block_size=args.block_size,
         kv_lease_s=args.kv_lease,
+        kv_fetch_timeout_s=args.kv_fetch_timeout,
     )
     worker = Worker(model, tokenizer, settings)
     logging.getLogger("disagg").info("%s worker for %s on %s", args.role, name, advertise)
@@ -128,6 +129,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=30.0,
         help="seconds pinned context KV waits for its generation leg",
+    )
+    w.add_argument(
+        "--kv-fetch-timeout",
+        type=float,
+        default=10.0,
+        help="seconds a generation worker waits for KV from a context worker"
+        " (then the leg fails with code kv_transfer_failed)",
     )
     w.set_defaults(func=_worker)
 

@@ -60,6 +60,7 @@ class WorkerSettings:
     num_blocks: int = 1024
     block_size: int = 16
     kv_lease_s: float = 30.0
+    kv_fetch_timeout_s: float = 10.0
     max_batched_tokens: int = 256
     max_body_bytes: int = 10 * 1024 * 1024
 
@@ -127,7 +128,9 @@ class Worker:
 
     async def _start(self, _app: web.Application) -> None:
         self.scheduler.start()
-        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60))
+        self._session = aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=self.settings.kv_fetch_timeout_s)
+        )
 
     async def _stop(self, _app: web.Application) -> None:
         if self._session is not None:
@@ -419,9 +422,9 @@ class Worker:
                         + raw[:300].decode(errors="replace"),
                         code=KV_TRANSFER_FAILED,
                     )
-        except aiohttp.ClientError as exc:
+        except (aiohttp.ClientError, TimeoutError) as exc:
             raise WorkerUnavailable(
-                f"KV fetch from the context worker failed: {exc}", code=KV_TRANSFER_FAILED
+                f"KV fetch from the context worker failed: {exc!r}", code=KV_TRANSFER_FAILED
             ) from None
         try:
             return KVPayload.from_bytes(raw, state)
