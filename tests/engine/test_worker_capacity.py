@@ -43,7 +43,7 @@ def test_pinned_kv_delays_admission_until_lease_expiry(procs: Procs) -> None:
         "--num-blocks",
         "64",
         "--kv-lease",
-        "1.5",
+        "3.0",
     )
     url = f"http://127.0.0.1:{port}"
     wait_healthy(url, procs)
