@@ -42,7 +42,7 @@ TUNING: dict[str, Any] = {
     "context_timeout": 15,
     "first_token_timeout": 15,
     "stream_idle_timeout": 5,
-    "max_retries": 3,
+    "max_retries": 3,  # a fault every 2-3 s on 4 workers hits many requests twice
     "transient_retries": 5,
     "retry_interval": 0.1,
 }

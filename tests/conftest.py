@@ -146,6 +146,7 @@ class BrokenWorker:
     """A real HTTP server on loopback that looks healthy but fails every inference request,
     run on its own thread; `with BrokenWorker(mode) as url:`. Modes: "500", "400", "reset"
     (drops the connection without answering), "partial" (streams one chunk, then drops),
+    "torn" (streams one event and half of the next, then drops),
     "hang" (never answers), "partial_hang" (streams one chunk, then nothing).
     `hits` counts the inference requests it received."""
 
@@ -169,10 +170,12 @@ class BrokenWorker:
             raise asyncio.CancelledError
         if self.mode == "hang":
             await self._released.wait()
-        if self.mode in ("partial", "partial_hang"):
+        if self.mode in ("partial", "partial_hang", "torn"):
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
             await resp.prepare(request)
             await resp.write(b'data: {"choices": [{"index": 0, "text": "A"}]}\n\n')
+            if self.mode == "torn":
+                await resp.write(b'data: {"choices": [{"ind')
             if self.mode == "partial_hang":
                 await self._released.wait()
             assert request.transport is not None

@@ -70,3 +70,26 @@ def test_routing_skips_open_and_draining_workers() -> None:
         assert r.worker is workers[2]
         r.finish(True)
     assert [w.in_flight for w in workers] == [0, 0, 0]
+
+
+def test_pool_fails_open_when_every_breaker_is_open() -> None:
+    settings = BreakerSettings(failures=1, cooldown_s=1e9)
+    workers = [
+        WorkerState(f"http://w{i}", "context", ready=True, breaker=Breaker(settings))
+        for i in range(3)
+    ]
+    pool = Pool("context", workers)
+    workers[0].breaker.record(False, 0.0)
+    assert pool.available("tiny") == workers[1:]
+    workers[1].breaker.record(False, 0.0)
+    workers[2].breaker.record(False, 0.0)
+    assert pool.available("tiny") == workers  # all open: a breaker never empties the pool
+    workers[2].ready = False
+    assert pool.available("tiny") == workers[:2]  # but unready workers stay out
+
+
+def test_rejoining_after_a_restart_closes_the_breaker() -> None:
+    b = Breaker(BreakerSettings(failures=1, cooldown_s=1e9))
+    b.record(False, 0.0)
+    b.reset()
+    assert b.state == "closed" and b.allows(0.0)

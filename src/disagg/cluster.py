@@ -4,7 +4,8 @@ worker fed by request outcomes.
 
 Membership comes from a `Discovery` (a static list today; etcd later). The monitor only
 observes and marks workers; it never routes and never touches requests. A worker takes new
-legs when it is ready (health), not draining, and its breaker lets a request through.
+legs when it is ready (health), not draining, and its breaker lets a request through (or
+every ready worker's breaker is open: then the pool fails open).
 """
 
 from __future__ import annotations
@@ -77,6 +78,10 @@ class Breaker:
             self.state = "open"
             self._retry_at = now + self.settings.cooldown_s
 
+    def reset(self) -> None:
+        """Closed, with no faults counted (a worker that rejoined after leaving its pool)."""
+        self.state, self._faults, self._probing = "closed", 0, False
+
     def settle(self) -> None:
         """A placed request ended without a verdict; a half-open breaker may probe again."""
         self._probing = False
@@ -94,10 +99,6 @@ class WorkerState:
     fails: int = 0  # consecutive failed health checks
     passes: int = 0  # consecutive passed health checks
     breaker: Breaker = field(default_factory=Breaker)
-
-    def available(self, now: float) -> bool:
-        """Whether a new leg may be placed here."""
-        return self.ready and not self.draining and self.breaker.allows(now)
 
     def record(self, ok: bool, thresholds: Thresholds) -> bool:
         """Count one health check; returns whether readiness changed. A ready worker leaves
@@ -133,9 +134,12 @@ class Pool:
         return [w for w in self.workers if w.ready and _serves(w, model)]
 
     def available(self, model: str) -> list[WorkerState]:
-        """The workers a new leg for `model` may go to now."""
+        """The workers a new leg for `model` may go to now. When every ready worker's breaker
+        is open, all of them are (fail open): a breaker steers load, it never empties a pool
+        that health checks say can serve."""
         now = time.monotonic()
-        return [w for w in self.workers if w.available(now) and _serves(w, model)]
+        ready = [w for w in self.workers if w.ready and not w.draining and _serves(w, model)]
+        return [w for w in ready if w.breaker.allows(now)] or ready
 
 
 def _serves(w: WorkerState, model: str | None) -> bool:
@@ -242,6 +246,8 @@ class HealthMonitor:
         w.last_error = error
         if w.record(ok, self.thresholds):
             log.info("worker %s (%s) is now %s", w.url, w.role, "ready" if ok else "unready")
+            if ok:  # back after leaving (e.g. restarted): judge it afresh
+                w.breaker.reset()
 
     async def _models(self, w: WorkerState) -> tuple[str, ...]:
         async with self.session.get(w.url + "/v1/models", timeout=self.timeout) as resp:

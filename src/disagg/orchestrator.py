@@ -232,7 +232,7 @@ class Orchestrator:
         if not ctx.finished and not (
             ctx.prompt_token_ids and ctx.params.get("encoded_opaque_state")
         ):
-            await self._release_context_kv(route, ctx)
+            self._release_context_kv(route, ctx)
             raise WorkerUnavailable(
                 "the context worker's answer lacks prompt_token_ids or disaggregated_params"
             )
@@ -253,7 +253,7 @@ class Orchestrator:
                 )
             except DisaggError as exc:
                 if job.on_generation_failure == "fail" and _worker_fault(exc):
-                    await self._release_context_kv(route, ctx)
+                    self._release_context_kv(route, ctx)
                     raise ServiceUnavailable(
                         "the generation leg failed and this request does not fall back:"
                         f" {exc.message}"
@@ -264,14 +264,14 @@ class Orchestrator:
                     request = request.avoiding(route.generation)
                     await self._pause(exc, route)
                     continue
-                await self._release_context_kv(route, ctx)
+                self._release_context_kv(route, ctx)
                 if retryable(exc):
                     # A failed KV pull is the context worker's fault: the new pair avoids it.
                     avoid = route.context if _kv_transfer_failed(exc) else route.generation
                     raise _Replan(exc, avoid) from None
                 raise
             except BaseException:
-                await self._release_context_kv(route, ctx)
+                self._release_context_kv(route, ctx)
                 raise
 
     async def _generation_attempt(
@@ -321,14 +321,14 @@ class Orchestrator:
         )
         return Result(route, chunks=relay.chunks(), close=relay.close)
 
-    async def _release_context_kv(self, route: Route, ctx: ContextOutcome | None) -> None:
+    def _release_context_kv(self, route: Route, ctx: ContextOutcome | None) -> None:
         """The generation leg failed: free the context worker's pinned KV now, not at lease
         expiry (a no-op when the generation worker already fetched it)."""
         if ctx is None:
             return
         rid = ctx.params.get("ctx_request_id")
         if route.context is not None and isinstance(rid, int):
-            await asyncio.shield(self.client.release_kv(route.context, rid))
+            self.client.release_kv_soon(route.context, rid)
 
 
 def _judge(reservation: Reservation, exc: BaseException) -> None:
@@ -370,7 +370,7 @@ class _Relay:
         self,
         upstream: UpstreamStream,
         reservation: Reservation,
-        on_failure: Callable[[], Awaitable[None]],
+        on_failure: Callable[[], None],
         idle_s: float,
         deadline: float,
     ) -> None:
@@ -381,14 +381,23 @@ class _Relay:
         self._released = False
 
     async def chunks(self) -> AsyncGenerator[bytes, None]:
+        """The worker's bytes, passed on whole SSE events at a time: were the stream to
+        break mid-event, the client must not get half an event glued to the error event."""
         loop = asyncio.get_running_loop()
+        pending = b""
         try:
             while True:
                 left = self.deadline - loop.time()
                 chunk = await self.upstream.next_chunk(max(0.0, min(self.idle_s, left)))
                 if not chunk:
                     break
-                yield chunk
+                pending += chunk
+                end = _events_end(pending)
+                if end:
+                    yield pending[:end]
+                    pending = pending[end:]
+            if pending:
+                yield pending
             self.ok = True
             self.reservation.judge(True)
         except (aiohttp.ClientError, TimeoutError) as exc:
@@ -396,7 +405,7 @@ class _Relay:
             log.warning("generation stream from %s broke: %r", self.reservation.worker.url, exc)
             if self.deadline > loop.time():  # not the request's own deadline
                 self.reservation.judge(False)
-            await self._release()
+            self._release()
             yield sse_data(_stream_error(exc, self.deadline - loop.time()).body())
             yield DONE
 
@@ -407,12 +416,18 @@ class _Relay:
         if not self.ok:
             # Cheap when the worker fetched the KV already (the reference worker answers
             # 200 only then); frees it when a worker accepted the leg but never pulled it.
-            await self._release()
+            self._release()
 
-    async def _release(self) -> None:
+    def _release(self) -> None:
         if not self._released:
             self._released = True
-            await self.on_failure()
+            self.on_failure()
+
+
+def _events_end(buf: bytes) -> int:
+    """Where the last complete SSE event in `buf` ends (0: none is complete)."""
+    lf, crlf = buf.rfind(b"\n\n"), buf.rfind(b"\r\n\r\n")
+    return max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
 
 
 def _stream_error(exc: BaseException, left_s: float) -> DisaggError:

@@ -83,8 +83,10 @@ class UpstreamStream:
 class WorkerClient:
     def __init__(self, connect_timeout_s: float = 5.0) -> None:
         self._connect_s = connect_timeout_s
-        self._release_timeout = aiohttp.ClientTimeout(total=connect_timeout_s)
+        # A busy worker's scheduler may take a while to answer; nobody waits for it.
+        self._release_timeout = aiohttp.ClientTimeout(total=10.0, sock_connect=connect_timeout_s)
         self._session: aiohttp.ClientSession | None = None
+        self._releases: set[asyncio.Task[None]] = set()
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -98,6 +100,8 @@ class WorkerClient:
         return self._session
 
     async def close(self) -> None:
+        if self._releases:  # let the last KV releases land (bounded by their timeout)
+            await asyncio.wait(set(self._releases), timeout=10.0)
         if self._session is not None:
             await self._session.close()
             self._session = None
@@ -151,6 +155,13 @@ class WorkerClient:
                 resp.release()
             raise worker_error(resp.status, raw)
         return UpstreamStream(resp)
+
+    def release_kv_soon(self, url: str, ctx_request_id: int) -> None:
+        """Start `release_kv` in the background (the client owns the task and waits for it
+        on close), so that no request waits for a busy context worker to answer."""
+        task = asyncio.create_task(self.release_kv(url, ctx_request_id))
+        self._releases.add(task)
+        task.add_done_callback(self._releases.discard)
 
     async def release_kv(self, url: str, ctx_request_id: int) -> None:
         """Best effort: ask a context worker to drop pinned KV (workers without the endpoint
