@@ -223,13 +223,15 @@ BAD: list[tuple[str, Any, str]] = [
     ),
     (
         "bad router type",
-        _with(context_servers={"urls": ["h:1"], "router": {"type": "random"}}),
-        "context_servers.router.type: expected one of round_robin, load_balancing, kv_cache_aware",
+        _with(context_servers={"urls": ["h:1"], "router": {"type": "fastest"}}),
+        "context_servers.router.type: expected one of round_robin, load_balancing, kv_cache_aware, "
+        "random, power_of_two, got 'fastest'",
     ),
     (
         "bad top router type",
         _with(router={"type": "round_robbin"}),
-        "router.type: expected one of round_robin, load_balancing, kv_cache_aware, got "
+        "router.type: expected one of round_robin, load_balancing, kv_cache_aware, random, "
+        "power_of_two, got "
         "'round_robbin'; did you mean 'round_robin'?",
     ),
     (

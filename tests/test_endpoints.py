@@ -83,3 +83,14 @@ def test_clean_merges_usage_and_strips_internals() -> None:
         "total_tokens": 12,
         "prompt_tokens_details": {"cached_tokens": 4},
     }
+
+
+def test_expected_tokens_for_load_aware_routing() -> None:
+    comp, chat = ENDPOINTS["completions"], ENDPOINTS["chat"]
+    assert comp.expected_tokens({"prompt": [1, 2, 3], "max_tokens": 10}) == 13
+    assert comp.expected_tokens({"prompt": "x" * 398, "max_tokens": 10}) == 100 + 1 + 10
+    assert comp.expected_tokens({"prompt": "hi"}) == 2 + 256  # no budget: 256 expected
+    body = {"messages": [{"role": "user", "content": "y" * 1000}], "max_completion_tokens": 5}
+    long_chat = chat.expected_tokens(body)
+    assert long_chat > chat.expected_tokens({**body, "messages": []})
+    assert chat.expected_tokens(body, prompt_tokens=40) == 45  # the real length, once known

@@ -30,7 +30,7 @@ __all__ = [
     "static_config",
 ]
 
-ROUTER_TYPES = ("round_robin", "load_balancing", "kv_cache_aware")
+ROUTER_TYPES = ("round_robin", "load_balancing", "kv_cache_aware", "random", "power_of_two")
 SCHEDULE_STYLES = ("context_first", "generation_first")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+import msgspec
+
 from disagg.formats import DONE, ChatShape, CompletionShape, ResponsesShape, Shape
 from disagg.protocol import ChatCompletionRequest, CompletionRequest, ResponsesRequest
 from disagg.protocol import usage as make_usage
@@ -41,6 +43,7 @@ class Endpoint:
     request_type: ClassVar[type[Any]]
     shape_type: ClassVar[type]
     max_tokens_keys: ClassVar[tuple[str, ...]] = ("max_tokens",)
+    prompt_key: ClassVar[str] = "prompt"
 
     def context_request(self, body: dict[str, Any], disagg_id: int) -> dict[str, Any]:
         req = {k: v for k, v in body.items() if k != "stream_options"}
@@ -77,6 +80,18 @@ class Endpoint:
             if isinstance(body.get(key), int):
                 return int(body[key])
         return None
+
+    def expected_tokens(self, body: dict[str, Any], prompt_tokens: int | None = None) -> int:
+        """A leg's expected token work for load-aware routing: the prompt's tokens (before
+        any worker tokenized it, ~4 bytes of its JSON per token, or a token-id list's
+        length) plus the output budget (256 when the client set none)."""
+        if prompt_tokens is None:
+            prompt = body.get(self.prompt_key)
+            if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+                prompt_tokens = len(prompt)
+            else:
+                prompt_tokens = len(msgspec.json.encode(prompt)) // 4 + 1
+        return prompt_tokens + (self.budget(body) or 256)
 
     def outcome(self, resp: dict[str, Any], budget: int | None) -> ContextOutcome:
         choice = (resp.get("choices") or [{}])[0]
@@ -150,6 +165,7 @@ class Chat(Endpoint):
     shape_type = ChatShape
     # the worker honours max_completion_tokens over the deprecated max_tokens; so do we
     max_tokens_keys = ("max_completion_tokens", "max_tokens")
+    prompt_key = "messages"
 
     def _text(self, choice: dict[str, Any]) -> str:
         return str((choice.get("message") or {}).get("content") or "")
@@ -160,6 +176,7 @@ class Responses(Endpoint):
     request_type = ResponsesRequest
     shape_type = ResponsesShape
     max_tokens_keys = ("max_output_tokens",)
+    prompt_key = "input"
 
     def context_request(self, body: dict[str, Any], disagg_id: int) -> dict[str, Any]:
         req = super().context_request(body, disagg_id)

@@ -13,7 +13,7 @@ import logging
 import secrets
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import aiohttp
@@ -122,7 +122,9 @@ class Orchestrator:
     async def run(self, job: Job) -> Result:
         # The request keeps one id (its reservations are keyed by it); every attempt sends a
         # fresh disagg_request_id.
-        request = RouteRequest(self.next_id(), job.model)
+        request = RouteRequest(
+            self.next_id(), job.model, tokens=job.endpoint.expected_tokens(job.body)
+        )
         deadline = asyncio.get_running_loop().time() + self.deadlines.request_s
         # Each leg's timeout is cut to the deadline (Route.left); the outer timeout also
         # covers the awaits that carry no timeout of their own.
@@ -246,6 +248,10 @@ class Orchestrator:
         ctx: ContextOutcome,
         budget: RetryBudget,
     ) -> Result:
+        # The prompt's real length is known now.
+        request = replace(
+            request, tokens=job.endpoint.expected_tokens(job.body, len(ctx.prompt_token_ids))
+        )
         while True:
             try:
                 return await self._generation_attempt(

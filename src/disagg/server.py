@@ -59,8 +59,14 @@ class Frontend:
         )
         self.client = WorkerClient(config.connect_timeout)
         self.orchestrator = Orchestrator(
-            make_policy(config.context.router.type, self.cluster.context),
-            make_policy(config.generation.router.type, self.cluster.generation),
+            make_policy(
+                config.context.router.type, self.cluster.context, config.context.router.args
+            ),
+            make_policy(
+                config.generation.router.type,
+                self.cluster.generation,
+                config.generation.router.args,
+            ),
             self.client,
             retry_policy(config),
             Deadlines(

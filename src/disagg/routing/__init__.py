@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
-from typing import Protocol
+from types import MappingProxyType
+from typing import Any, Protocol
 
 from disagg.cluster import Pool, WorkerState
 
@@ -23,6 +25,7 @@ class RouteRequest:
     request_id: int
     model: str
     prompt_len: int = 0
+    tokens: int = 0  # the leg's expected token work (prompt + expected output)
     avoid: frozenset[str] = frozenset()  # workers that failed this request already
 
     def avoiding(self, url: str | None) -> RouteRequest:
@@ -67,11 +70,21 @@ class Reservation:
         self.policy.finish(self.worker, self.request, success)
 
 
-def make_policy(name: str, pool: Pool) -> Policy:
+def make_policy(name: str, pool: Pool, args: Mapping[str, Any] = MappingProxyType({})) -> Policy:
+    """The policy config names `name`, built from its router `args` (`RouterConfig.args`)."""
+    from disagg.routing.load_balancing import LoadBalancing
+    from disagg.routing.power_of_two import PowerOfTwo
+    from disagg.routing.random_choice import RandomChoice
     from disagg.routing.round_robin import RoundRobin
 
-    table: dict[str, type[RoundRobin]] = {"round_robin": RoundRobin}
+    table: dict[str, Callable[[Pool, Mapping[str, Any]], Policy]] = {
+        "round_robin": RoundRobin.from_args,
+        "load_balancing": LoadBalancing.from_args,
+        "random": RandomChoice.from_args,
+        "power_of_two": PowerOfTwo.from_args,
+    }
     if name not in table:
-        # Config validation accepts TRT-LLM's other router names; they arrive with issue 4.
+        # Config validation accepts TRT-LLM's kv_cache_aware router; it arrives later.
         log.warning("router type %r is not implemented yet; using round_robin", name)
-    return table.get(name, RoundRobin)(pool)
+        return RoundRobin(pool)
+    return table[name](pool, args)

@@ -3,9 +3,12 @@ probing), with in-flight counts per worker."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 from disagg.cluster import Pool, WorkerState
-from disagg.errors import ServiceUnavailable
 from disagg.routing import RouteRequest
+from disagg.routing.candidates import candidates
 
 
 class RoundRobin:
@@ -13,15 +16,12 @@ class RoundRobin:
         self.pool = pool
         self._next = 0
 
+    @classmethod
+    def from_args(cls, pool: Pool, args: Mapping[str, Any]) -> RoundRobin:
+        return cls(pool)
+
     def pick(self, request: RouteRequest) -> WorkerState:
-        ready = self.pool.available(request.model)
-        if not ready:
-            raise ServiceUnavailable(
-                f"no {self.pool.role} worker can take model `{request.model}` now"
-                " (none ready, or all draining or with an open circuit breaker)"
-            )
-        # A retry goes elsewhere when the pool has another ready worker.
-        ready = [w for w in ready if w.url not in request.avoid] or ready
+        ready = candidates(self.pool, request)
         worker = ready[self._next % len(ready)]
         self._next += 1
         worker.in_flight += 1
