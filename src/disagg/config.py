@@ -177,6 +177,7 @@ _OWN_KEYS = frozenset(
         "max_concurrent_requests",
         "max_queued_requests",
         "queue_timeout",
+        "kv_events_interval",
     }
 )
 _TOP_KEYS = _TRTLLM_KEYS | _TRTLLM_IGNORED | _WORKER_KEYS | _OWN_KEYS
@@ -245,6 +246,7 @@ class ClusterConfig:
     max_concurrent_requests: int = 0  # requests served at once; 0: no limit
     max_queued_requests: int = 1024  # requests waiting for a slot; beyond that 429
     queue_timeout: float = 10.0  # s a request may wait for a slot before 429
+    kv_events_interval: float = 0.1  # s between polls of the workers' KV events
 
 
 # --- small checkers -----------------------------------------------------------------------------
@@ -512,6 +514,7 @@ def _own_fields(top: Mapping[str, Any]) -> dict[str, Any]:
         "stream_idle_timeout",
         "breaker_cooldown",
         "queue_timeout",
+        "kv_events_interval",
     ):
         if key in top:
             fields[key] = _seconds(top[key], key)
@@ -656,6 +659,7 @@ def config_to_dict(cfg: ClusterConfig) -> dict[str, Any]:
         "max_concurrent_requests": cfg.max_concurrent_requests,
         "max_queued_requests": cfg.max_queued_requests,
         "queue_timeout": cfg.queue_timeout,
+        "kv_events_interval": cfg.kv_events_interval,
         "context_servers": _pool_to_dict(cfg.context),
         "generation_servers": _pool_to_dict(cfg.generation),
     }

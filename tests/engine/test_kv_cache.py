@@ -389,3 +389,18 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
 TestBlockManagerMachine = BlockManagerMachine.TestCase
 TestBlockManagerMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+
+
+def test_event_window_and_cached_hashes() -> None:
+    bm = BlockManager((2, 2, 4, 2, 1, 3), "float32", event_capacity=2)
+    assert bm.last_event_id == 0 and bm.has_events_since(0) and not bm.has_events_since(1)
+    for i in range(3):  # three sequences of one full block each: three stored events
+        seq = bm.allocate([i, i, 9])
+        bm.commit(seq, 3)
+        bm.free(seq)
+    assert bm.last_event_id == 3
+    assert bm.has_events_since(1) and bm.has_events_since(3)  # events 2 and 3 are kept
+    assert not bm.has_events_since(0)  # event 1 was dropped: the caller must resync
+    assert sorted(bm.cached_hashes()) == sorted(
+        h for i in range(3) for h in block_hashes([i, i], 2)
+    )

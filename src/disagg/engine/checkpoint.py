@@ -125,7 +125,7 @@ def _load_weights(path: Path, tie: bool) -> dict[str, Array]:
     return weights
 
 
-def _load_tokenizer(path: Path, raw: dict[str, Any]) -> Tokenizer:
+def load_tokenizer(path: Path, raw: dict[str, Any]) -> Tokenizer:
     if raw.get(BYTE_TOKENIZER_KEY):
         return ByteTokenizer()
     tok_path = path / "tokenizer.json"
@@ -153,7 +153,7 @@ def load_checkpoint(path: str | Path, dtype: str = "float32") -> tuple[Model, To
         raise ValueError(f"{config_path} is not a JSON object")
     config = _config_from_json(raw, dtype)
     weights = _load_weights(path, bool(raw.get("tie_word_embeddings", False)))
-    tokenizer = _load_tokenizer(path, raw)
+    tokenizer = load_tokenizer(path, raw)
     if tokenizer.vocab_size > config.vocab_size:
         raise ValueError(
             f"tokenizer vocab_size {tokenizer.vocab_size} > model vocab_size {config.vocab_size}"

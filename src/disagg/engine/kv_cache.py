@@ -273,6 +273,19 @@ class BlockManager:
         """Retained events with id > ``event_id``, oldest first."""
         return [dict(e) for e in self._events if e["event_id"] > event_id]
 
+    @property
+    def last_event_id(self) -> int:
+        return self._next_event_id - 1
+
+    def has_events_since(self, event_id: int) -> bool:
+        """Whether every event after ``event_id`` is still retained (none was dropped)."""
+        oldest = self._events[0]["event_id"] if self._events else self._next_event_id
+        return oldest - 1 <= event_id <= self.last_event_id
+
+    def cached_hashes(self) -> list[int]:
+        """The hash of every block the cache holds now (used or evictable)."""
+        return list(self._hash_to_block)
+
     def clear(self) -> None:
         """Drop every evictable cached block (in-use blocks keep their hashes); emit "cleared"."""
         for block in self._evictable:

@@ -88,23 +88,31 @@ def _sampling(req: Any, max_tokens: int, stop: Any) -> SamplingParams:
     )
 
 
+def prompt_ids(req: Any, tok: Tokenizer) -> list[int]:
+    """The prompt's token ids as the worker computes them (chat template included); the
+    orchestrator uses the same function to hash prompts for cache-aware routing."""
+    if isinstance(req, CompletionRequest):
+        return _completion_prompt(tok, req.prompt)
+    if isinstance(req, ChatCompletionRequest):
+        return req.prompt_token_ids or _prompt_ids(
+            tok, render_chat([{"role": m.role, "content": m.content} for m in req.messages])
+        )
+    assert isinstance(req, ResponsesRequest)
+    return req.prompt_token_ids or _prompt_ids(tok, render_chat(_responses_messages(req)))
+
+
 def build_job(kind: str, req: Any, tok: Tokenizer, model_name: str, max_len: int) -> Job:
     """Read `req` (a validated request of endpoint `kind`) into a Job."""
     rid_prefix = {"completions": "cmpl-", "chat": "chatcmpl-", "responses": "resp_"}[kind]
     rid = rid_prefix + uuid.uuid4().hex
     created = int(time.time())
     shape: Shape
+    ids = prompt_ids(req, tok)
     if isinstance(req, CompletionRequest):
-        ids = _completion_prompt(tok, req.prompt)
         budget, stop, shape = req.max_tokens, req.stop, CompletionShape(rid, model_name, created)
     elif isinstance(req, ChatCompletionRequest):
-        ids = req.prompt_token_ids or _prompt_ids(
-            tok, render_chat([{"role": m.role, "content": m.content} for m in req.messages])
-        )
         budget, stop, shape = req.token_budget(), req.stop, ChatShape(rid, model_name, created)
     else:
-        assert isinstance(req, ResponsesRequest)
-        ids = req.prompt_token_ids or _prompt_ids(tok, render_chat(_responses_messages(req)))
         budget, stop, shape = req.max_output_tokens, None, ResponsesShape(rid, model_name, created)
     if getattr(req, "n", 1) != 1:
         raise InvalidRequest("only n=1 is supported", param="n")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -80,6 +81,7 @@ class Worker:
             lease_s=settings.kv_lease_s,
         )
         self._session: aiohttp.ClientSession | None = None
+        self.instance = uuid.uuid4().hex  # tells a restarted worker from the one before
         self.draining = False
         self.keeps_listening = True  # while draining, generation workers still pull KV
         self._legs = 0  # inference requests being handled
@@ -120,6 +122,7 @@ class Worker:
                 web.get("/stats", self.stats),
                 web.post("/kv/fetch", self.kv_fetch),
                 web.post("/kv/release", self.kv_release),
+                web.post("/kv_cache_events", self.kv_cache_events),
             ]
         )
         app.on_startup.append(self._start)
@@ -191,6 +194,29 @@ class Worker:
         rid = _int_field(decode_body(await request.read()), "ctx_request_id")
         released = await self.scheduler.call(lambda: self.scheduler.release_pinned(rid))
         return json_response({"released": released})
+
+    async def kv_cache_events(self, request: web.Request) -> web.Response:
+        """KV events after the caller's cursor `since` (polled, like TensorRT-LLM's endpoint).
+        On first contact (no `instance`), for another instance, or with a cursor older than
+        the retained events, the answer is a snapshot instead: `reset: true`, a `cleared`,
+        then one `stored` of every cached block hash, so the caller's index starts over."""
+        raw = await request.read()
+        data = decode_body(raw) if raw else {}
+        since = _int_field(data, "since", 0)
+        same = data.get("instance") == self.instance
+
+        def read() -> dict[str, Any]:
+            bm = self.blocks
+            last = bm.last_event_id
+            if same and bm.has_events_since(since):
+                return {"reset": False, "events": bm.events_since(since), "last_event_id": last}
+            snapshot = [{"type": "cleared"}, {"type": "stored", "block_hashes": bm.cached_hashes()}]
+            return {"reset": True, "events": snapshot, "last_event_id": last}
+
+        body = await self.scheduler.call(read)
+        return json_response(
+            {"instance": self.instance, "block_size": self.blocks.block_size, **body}
+        )
 
     # -- OpenAI endpoints -------------------------------------------------------------------
 
