@@ -274,7 +274,8 @@ class Frontend:
                 gone = ServiceUnavailable("the server shut down before the answer ended")
                 await resp.write(sse_data(gone.body()) + DONE)
             except ConnectionError:
-                raise
+                log.info("the client left mid-stream")  # its legs are aborted by close()
+                return resp
             except Exception:
                 # The response has started: end it with an error event, never a second answer.
                 log.exception("relaying the stream failed")

@@ -360,6 +360,19 @@ class Worker:
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         )
         await resp.prepare(request)
+        try:
+            await self._relay_events(resp, job, seq, queue)
+        except ConnectionResetError:  # the caller left; the leg's sequence is aborted
+            log.info("the caller of sequence %d left mid-stream", seq.seq_id)
+        return resp
+
+    async def _relay_events(
+        self,
+        resp: web.StreamResponse,
+        job: Job,
+        seq: Sequence,
+        queue: asyncio.Queue[Event],
+    ) -> None:
         shape = job.shape
         for chunk in shape.stream_start():
             await resp.write(chunk)
@@ -383,7 +396,7 @@ class Worker:
                     await resp.write(chunk)
             await resp.write(DONE)
             await resp.write_eof()
-            return resp
+            return
 
     # -- KV transfer ------------------------------------------------------------------------
 
