@@ -58,6 +58,7 @@ def _load_config(path: str) -> ClusterConfig | None:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from disagg.cache_aware import StartupError
     from disagg.http import run, serve
     from disagg.server import Frontend
 
@@ -68,16 +69,20 @@ def _serve(args: argparse.Namespace) -> int:
     port = args.port or config.port
     frontend = Frontend(config)
     log = logging.getLogger("disagg")
-    run(
-        serve(
-            frontend.app(),
-            host,
-            port,
-            ready=lambda: log.info("orchestrator listening on http://%s:%d", host, port),
-            drain=frontend,
-            drain_s=config.drain_timeout,
+    try:
+        run(
+            serve(
+                frontend.app(),
+                host,
+                port,
+                ready=lambda: log.info("orchestrator listening on http://%s:%d", host, port),
+                drain=frontend,
+                drain_s=config.drain_timeout,
+            )
         )
-    )
+    except StartupError as exc:
+        print(f"disagg serve: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -42,6 +42,7 @@ _ROUTER_ARGS = {
     "tokens_per_block": "positive int",
     "max_batch_size": "positive int",
     "max_num_tokens": "positive int",
+    "load_weight": "number",  # kv_cache_aware: score = matched blocks - load_weight * in flight
 }
 # Server-section keys TensorRT-LLM copies into the router's arguments.
 _ROUTER_INHERITED = ("max_batch_size", "max_num_tokens")
@@ -397,6 +398,13 @@ def _check_router_arg(key: str, value: Any, path: str) -> None:
         raise ConfigError(path, f"expected true or false, got {_kind(value)} {value!r}")
     if check == "positive int":
         _int(value, path, minimum=1)
+    if check == "number" and (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not math.isfinite(value)
+        or value < 0
+    ):
+        raise ConfigError(path, f"expected a number >= 0, got {_kind(value)} {value!r}")
 
 
 def _parse_router(block: Any, path: str, server: Mapping[str, Any]) -> RouterConfig:

@@ -14,7 +14,7 @@ import secrets
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 
@@ -34,6 +34,9 @@ from disagg.retry import RetryBudget, RetryPolicy, retryable
 from disagg.routing import Policy, Reservation, RouteRequest
 from disagg.upstream import UpstreamStream, WorkerClient
 
+if TYPE_CHECKING:
+    from disagg.cache_aware import CacheAwareRouting
+
 log = logging.getLogger(__name__)
 
 
@@ -44,6 +47,7 @@ class Route:
     context: str | None = None
     generation: str | None = None
     cached_tokens: int = 0
+    predicted_cached_tokens: int = 0  # what the prefix index expected at the context worker
     retries: int = 0
     deadline: float = float("inf")  # loop time by which the whole request must be done
     # The context leg's worker: its breaker's verdict waits until its KV reached the
@@ -63,7 +67,7 @@ class Route:
         gen = self.generation or "-"
         return (
             f"context={ctx}; generation={gen}; cached_tokens={self.cached_tokens};"
-            f" retries={self.retries}"
+            f" predicted_cached_tokens={self.predicted_cached_tokens}; retries={self.retries}"
         )
 
 
@@ -88,6 +92,7 @@ class Job:
     include_usage: bool
     on_prefill_failure: str = "retry"  # retry | local (aggregated on a generation worker) | fail
     on_generation_failure: str = "retry"  # retry (a new pair) | fail
+    prompt_ids: list[int] | None = None  # as the worker will tokenize it (cache-aware routing)
 
 
 @dataclass
@@ -108,11 +113,13 @@ class Orchestrator:
         client: WorkerClient,
         retry: RetryPolicy | None = None,
         deadlines: Deadlines | None = None,
+        cache: CacheAwareRouting | None = None,
     ) -> None:
         self.context_policy, self.generation_policy = context_policy, generation_policy
         self.client = client
         self.retry = retry or RetryPolicy()
         self.deadlines = deadlines or Deadlines()
+        self.cache = cache
         # Random high bits keep ids apart across restarts and replicas; the low 32 bits count.
         self._ids = itertools.count((secrets.randbits(31) << 32) + 1)
 
@@ -123,7 +130,10 @@ class Orchestrator:
         # The request keeps one id (its reservations are keyed by it); every attempt sends a
         # fresh disagg_request_id.
         request = RouteRequest(
-            self.next_id(), job.model, tokens=job.endpoint.expected_tokens(job.body)
+            self.next_id(),
+            job.model,
+            tokens=job.endpoint.expected_tokens(job.body),
+            block_hashes=self.cache.hashes("context", job.prompt_ids) if self.cache else (),
         )
         deadline = asyncio.get_running_loop().time() + self.deadlines.request_s
         # Each leg's timeout is cut to the deadline (Route.left); the outer timeout also
@@ -204,6 +214,10 @@ class Orchestrator:
         reservation = Reservation(self.context_policy, request)
         route.context = reservation.worker.url
         route.context_worker = reservation.worker
+        if self.cache is not None:
+            route.predicted_cached_tokens = self.cache.predicted_tokens(
+                "context", route.context, request.block_hashes
+            )
         try:
             payload = endpoint.context_request(body, self.next_id())
             resp = await self.client.post(
@@ -248,9 +262,13 @@ class Orchestrator:
         ctx: ContextOutcome,
         budget: RetryBudget,
     ) -> Result:
-        # The prompt's real length is known now.
+        # The prompt's real tokens are known now.
         request = replace(
-            request, tokens=job.endpoint.expected_tokens(job.body, len(ctx.prompt_token_ids))
+            request,
+            tokens=job.endpoint.expected_tokens(job.body, len(ctx.prompt_token_ids)),
+            block_hashes=(
+                self.cache.hashes("generation", ctx.prompt_token_ids) if self.cache else ()
+            ),
         )
         while True:
             try:

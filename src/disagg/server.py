@@ -17,6 +17,7 @@ import aiohttp
 from aiohttp import web
 
 from disagg.admission import Admission
+from disagg.cache_aware import CacheAwareRouting
 from disagg.cluster import BreakerSettings, Cluster, HealthMonitor, StaticDiscovery, Thresholds
 from disagg.config import GENERATION_FAILURE_POLICIES, PREFILL_FAILURE_POLICIES, ClusterConfig
 from disagg.endpoints import ENDPOINTS, Endpoint
@@ -32,7 +33,6 @@ from disagg.http import error_middleware, json_response
 from disagg.orchestrator import Deadlines, Job, Orchestrator
 from disagg.protocol import decode_body, validate
 from disagg.retry import RetryPolicy
-from disagg.routing import make_policy
 from disagg.telemetry import CONTENT_TYPE, Metrics
 from disagg.upstream import WorkerClient
 
@@ -58,15 +58,10 @@ class Frontend:
             BreakerSettings(config.breaker_failures, config.breaker_cooldown),
         )
         self.client = WorkerClient(config.connect_timeout)
+        self.cache = CacheAwareRouting(config, self.cluster)
         self.orchestrator = Orchestrator(
-            make_policy(
-                config.context.router.type, self.cluster.context, config.context.router.args
-            ),
-            make_policy(
-                config.generation.router.type,
-                self.cluster.generation,
-                config.generation.router.args,
-            ),
+            self.cache.policy(config.context),
+            self.cache.policy(config.generation),
             self.client,
             retry_policy(config),
             Deadlines(
@@ -75,6 +70,7 @@ class Frontend:
                 config.stream_idle_timeout,
                 config.request_timeout,
             ),
+            self.cache if self.cache.pools else None,
         )
         self.admission = Admission(
             config.max_concurrent_requests, config.max_queued_requests, config.queue_timeout
@@ -136,8 +132,11 @@ class Frontend:
                 timeout,
             )
         self.monitor.start()
+        if self.cache.pools:
+            await self.cache.start(self._health_session)
 
     async def _stop(self, _app: web.Application) -> None:
+        await self.cache.stop()
         if self.monitor is not None:
             await self.monitor.stop()
         if self._health_session is not None:
@@ -155,8 +154,13 @@ class Frontend:
         )
 
     async def cluster_info(self, _request: web.Request) -> web.Response:
-        admission = {"active": self.admission.active, "queued": self.admission.queued}
-        return json_response({**self.cluster.describe(), "admission": admission})
+        info = {
+            **self.cluster.describe(),
+            "admission": {"active": self.admission.active, "queued": self.admission.queued},
+        }
+        if self.cache.pools:
+            info["prefix_index"] = self.cache.stats()
+        return json_response(info)
 
     async def metrics_page(self, _request: web.Request) -> web.Response:
         return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
@@ -235,6 +239,7 @@ class Frontend:
                 GENERATION_FAILURE_POLICIES,
                 self.config.on_generation_failure,
             ),
+            self.cache.prompt_ids(typed),
         )
         try:
             async with self.admission.slot() as waited:
@@ -246,6 +251,12 @@ class Frontend:
 
     async def _serve(self, request: web.Request, job: Job) -> web.StreamResponse:
         result = await self.orchestrator.run(job)
+        if "context" in self.cache.pools and result.route.context is not None:
+            self.metrics.observe_prediction(
+                result.route.predicted_cached_tokens,
+                result.route.cached_tokens,
+                self.cache.hashers["context"].block_size,
+            )
         headers = {"x-disagg-route": result.route.header()}
         if result.body is not None:
             return json_response(result.body, headers=headers)

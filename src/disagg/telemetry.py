@@ -36,6 +36,24 @@ class Metrics:
             "disagg_queued_requests", "Requests waiting for a slot", registry=self.registry
         )
 
+        self.prediction_error = Histogram(
+            "disagg_cache_prediction_error_tokens",
+            "|predicted - actual| cached prompt tokens at the context worker",
+            buckets=(0, 16, 64, 256, 1024, 4096),
+            registry=self.registry,
+        )
+        self.mispredictions = Counter(
+            "disagg_cache_mispredictions",
+            "Context legs whose cached tokens were off the prediction by more than a block",
+            registry=self.registry,
+        )
+
+    def observe_prediction(self, predicted: int, actual: int, block_size: int) -> None:
+        error = abs(predicted - actual)
+        self.prediction_error.observe(error)
+        if error > block_size:
+            self.mispredictions.inc()
+
     def track(self, active: Callable[[], float], queued: Callable[[], float]) -> None:
         """Read the gauges from the admission controller when scraped."""
         self.active.set_function(active)

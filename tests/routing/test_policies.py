@@ -1,10 +1,10 @@
 """Properties every policy keeps over random pools and pick/finish sequences: it only picks an
 available worker, honours `avoid`, and its in-flight counts (and token ledger) balance; plus
-what each policy promises about load. And the table from config names to policies."""
+what each policy promises about load (and cache hits). And the table from config names to
+policies."""
 
 from __future__ import annotations
 
-import logging
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -17,8 +17,10 @@ from disagg.cluster import Breaker, BreakerSettings, Pool, WorkerState
 from disagg.config import parse_config
 from disagg.errors import ServiceUnavailable
 from disagg.routing import Policy, Reservation, RouteRequest, make_policy
+from disagg.routing.kv_cache_aware import KvCacheAware
 from disagg.routing.load_balancing import InFlightRequests, InFlightTokens, LoadBalancing
 from disagg.routing.power_of_two import PowerOfTwo
+from disagg.routing.prefix_index import PrefixIndex
 from disagg.routing.random_choice import RandomChoice
 from disagg.routing.round_robin import RoundRobin
 
@@ -43,12 +45,24 @@ def _pool(kinds: list[str]) -> Pool:
     return Pool("context", [_worker(i, k) for i, k in enumerate(kinds)])
 
 
+CHAIN = tuple(range(1, 9))  # the block hashes of the prompts: request i uses a prefix of it
+
+
+def _cached(pool: Pool) -> PrefixIndex:
+    """Worker i holds the first 2 * i blocks of CHAIN (the unavailable ones included)."""
+    index = PrefixIndex()
+    for i, w in enumerate(pool.workers):
+        index.apply(w.url, [{"type": "stored", "block_hashes": list(CHAIN[: 2 * i])}])
+    return index
+
+
 POLICIES: dict[str, Callable[[Pool, random.Random], Policy]] = {
     "round_robin": lambda pool, rng: RoundRobin(pool),
     "random": RandomChoice,
     "power_of_two": PowerOfTwo,
     "load_balancing": lambda pool, rng: LoadBalancing(pool),
     "load_balancing_tokens": lambda pool, rng: LoadBalancing(pool, InFlightTokens()),
+    "kv_cache_aware": lambda pool, rng: KvCacheAware(pool, _cached(pool), rng=rng),
 }
 
 
@@ -83,11 +97,12 @@ def _load(policy: Policy, w: WorkerState) -> int:
 def _check_pick(
     policy: Policy,
     available: list[WorkerState],
-    avoid: frozenset[str],
+    request: RouteRequest,
     worker: WorkerState,
     before: dict[str, int],
 ) -> None:
     """`available`, and `before` (each candidate's load), as they were just before the pick."""
+    avoid = request.avoid
     assert any(worker is w for w in available), "picked an unavailable worker"
     preferred = [w for w in available if w.url not in avoid]
     assert worker.url not in avoid or not preferred, "ignored avoid"
@@ -97,6 +112,14 @@ def _check_pick(
     if isinstance(policy, PowerOfTwo) and others:
         # It beat the other sampled candidate, so it is never the one strictly busiest.
         assert before[worker.url] <= max(others)
+    if isinstance(policy, KvCacheAware):
+        # No other candidate scores higher: its cached leading blocks minus 0.25 per leg.
+        blocks = len(request.block_hashes)
+        scores = {
+            u: min(2 * int(u.removeprefix("http://w")), blocks) - 0.25 * load
+            for u, load in before.items()
+        }
+        assert scores[worker.url] == max(scores.values()), "not the best cache/load score"
 
 
 def _check_balance(policy: Policy, pool: Pool, open_: list[Reservation]) -> None:
@@ -122,7 +145,8 @@ def test_policy_invariants(
     for i, op in enumerate(ops):
         if isinstance(op, Pick):
             avoid = frozenset(f"http://w{j}" for j in op.avoid)
-            request = RouteRequest(i, "tiny", tokens=op.tokens, avoid=avoid)
+            hashes = CHAIN[: op.tokens % (len(CHAIN) + 1)]
+            request = RouteRequest(i, "tiny", tokens=op.tokens, avoid=avoid, block_hashes=hashes)
             available = pool.available("tiny")
             if not available:
                 with pytest.raises(ServiceUnavailable, match="no context worker can take model"):
@@ -131,7 +155,7 @@ def test_policy_invariants(
             candidates = [w for w in available if w.url not in avoid] or available
             before = {w.url: _load(policy, w) for w in candidates}
             r = Reservation(policy, request)
-            _check_pick(policy, available, avoid, r.worker, before)
+            _check_pick(policy, available, request, r.worker, before)
             open_.append(r)
         elif isinstance(op, Finish) and open_:
             r = open_.pop(op.index % len(open_))
@@ -187,8 +211,7 @@ def test_use_tokens_from_the_cluster_file() -> None:
     assert isinstance(gen, PowerOfTwo)
 
 
-def test_kv_cache_aware_falls_back_to_round_robin(caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.WARNING, logger="disagg.routing"):
-        policy = make_policy("kv_cache_aware", _pool(["ready"]), {"tokens_per_block": 64})
-    assert type(policy) is RoundRobin
-    assert "not implemented yet; using round_robin" in caplog.text
+def test_kv_cache_aware_is_in_the_table() -> None:
+    pool = _pool(["ready"])
+    policy = make_policy("kv_cache_aware", pool, {"tokens_per_block": 64}, index=PrefixIndex())
+    assert type(policy) is KvCacheAware

@@ -6,16 +6,15 @@ picks one; the reservation it returns is finished exactly once.
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
+from functools import partial
 from types import MappingProxyType
 from typing import Any, Protocol
 
 from disagg.cluster import Pool, WorkerState
-
-log = logging.getLogger(__name__)
+from disagg.routing.prefix_index import PrefixIndex
 
 
 @dataclass(frozen=True)
@@ -27,6 +26,9 @@ class RouteRequest:
     prompt_len: int = 0
     tokens: int = 0  # the leg's expected token work (prompt + expected output)
     avoid: frozenset[str] = frozenset()  # workers that failed this request already
+    # Chained hashes (`disagg.engine.kv_cache.block_hashes`) of the prompt's full blocks, all
+    # prompt tokens but the last (the worker always computes that one, like TensorRT-LLM).
+    block_hashes: tuple[int, ...] = ()
 
     def avoiding(self, url: str | None) -> RouteRequest:
         return replace(self, avoid=self.avoid | {url}) if url else self
@@ -70,8 +72,15 @@ class Reservation:
         self.policy.finish(self.worker, self.request, success)
 
 
-def make_policy(name: str, pool: Pool, args: Mapping[str, Any] = MappingProxyType({})) -> Policy:
-    """The policy config names `name`, built from its router `args` (`RouterConfig.args`)."""
+def make_policy(
+    name: str,
+    pool: Pool,
+    args: Mapping[str, Any] = MappingProxyType({}),
+    index: PrefixIndex | None = None,
+) -> Policy:
+    """The policy config names `name`, built from its router `args` (`RouterConfig.args`).
+    `kv_cache_aware` reads `index` (a `ValueError` without one); the others ignore it."""
+    from disagg.routing.kv_cache_aware import KvCacheAware
     from disagg.routing.load_balancing import LoadBalancing
     from disagg.routing.power_of_two import PowerOfTwo
     from disagg.routing.random_choice import RandomChoice
@@ -82,9 +91,9 @@ def make_policy(name: str, pool: Pool, args: Mapping[str, Any] = MappingProxyTyp
         "load_balancing": LoadBalancing.from_args,
         "random": RandomChoice.from_args,
         "power_of_two": PowerOfTwo.from_args,
+        "kv_cache_aware": partial(KvCacheAware.from_args, index=index),
     }
-    if name not in table:
-        # Config validation accepts TRT-LLM's kv_cache_aware router; it arrives later.
-        log.warning("router type %r is not implemented yet; using round_robin", name)
-        return RoundRobin(pool)
-    return table[name](pool, args)
+    build = table.get(name)
+    if build is None:  # config validates names; this is for callers that skip it
+        raise ValueError(f"unknown router type {name!r}; expected one of {', '.join(table)}")
+    return build(pool, args)

@@ -20,5 +20,7 @@ def candidates(pool: Pool, request: RouteRequest) -> list[WorkerState]:
             f"no {pool.role} worker can take model `{request.model}` now"
             " (none ready, or all draining or with an open circuit breaker)"
         )
+    if not request.avoid:
+        return ready
     # A retry goes elsewhere when the pool has another ready worker.
     return [w for w in ready if w.url not in request.avoid] or ready

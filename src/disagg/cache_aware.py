@@ -1,0 +1,123 @@
+"""Cache-aware routing's moving parts for the pools whose router is `kv_cache_aware`: the
+prefix index, the prompt hasher, the KV event feeds that keep the index current, and the
+start-up check that the router hashes blocks of the workers' size.
+
+It hashes prompts and predicts cache hits when asked; placement itself stays in the policy.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import aiohttp
+
+from disagg.cluster import Cluster
+from disagg.config import ClusterConfig, PoolConfig
+from disagg.kv_events import KVEventFeed
+from disagg.routing import Policy, make_policy
+from disagg.routing.prefix_index import PrefixIndex
+from disagg.routing.prompt_tokens import PromptHasher
+
+log = logging.getLogger(__name__)
+
+DEFAULT_BLOCK_SIZE = 16  # the reference worker's; used only when no worker answers
+
+
+class StartupError(Exception):
+    """The orchestrator must not serve with this cluster (the message says why)."""
+
+
+class CacheAwareRouting:
+    def __init__(self, config: ClusterConfig, cluster: Cluster) -> None:
+        self.config, self.cluster = config, cluster
+        self.pools = {
+            p.role: p
+            for p in (config.context, config.generation)
+            if p.router.type == "kv_cache_aware"
+        }
+        self.index = PrefixIndex()
+        self.hashers = {
+            role: PromptHasher.named("tiny", _tokens_per_block(p) or DEFAULT_BLOCK_SIZE)
+            for role, p in self.pools.items()
+        }
+        self._feeds: list[KVEventFeed] = []
+
+    def policy(self, pool: PoolConfig) -> Policy:
+        return make_policy(
+            pool.router.type, self.cluster.pool(pool.role), pool.router.args, self.index
+        )
+
+    async def start(self, session: aiohttp.ClientSession) -> None:
+        """Learn (or check) each pool's block size, then follow the workers' KV events."""
+        for role, pool in self.pools.items():
+            size = await self._block_size(session, pool)
+            self.hashers[role].block_size = size
+            feed = KVEventFeed(
+                self.index,
+                self.cluster.pool(role).workers,
+                session,
+                size,
+                self.config.kv_events_interval,
+            )
+            await feed.poll_all()
+            feed.start()
+            self._feeds.append(feed)
+
+    async def stop(self) -> None:
+        for feed in self._feeds:
+            await feed.stop()
+
+    async def _block_size(self, session: aiohttp.ClientSession, pool: PoolConfig) -> int:
+        sizes: dict[str, int] = {}
+        for url in pool.urls:
+            try:
+                async with session.get(
+                    url + "/server_info", timeout=aiohttp.ClientTimeout(total=5)
+                ) as resp:
+                    data = await resp.json(content_type=None)
+                sizes[url] = int(data["block_size"])
+            except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, TypeError):
+                continue  # not up yet: the event feed checks it when it is
+        configured = _tokens_per_block(pool)
+        expected = configured or next(iter(sizes.values()), DEFAULT_BLOCK_SIZE)
+        wrong = {url: size for url, size in sizes.items() if size != expected}
+        if wrong:
+            where = (
+                f"the router's tokens_per_block {expected}"
+                if configured
+                else f"the pool's first worker's block size {expected}"
+            )
+            raise StartupError(
+                f"{pool.role} pool: "
+                + ", ".join(f"worker {url} has KV block size {s}" for url, s in wrong.items())
+                + f", but kv_cache_aware routing hashes prompts in blocks of {where}."
+                " Set tokens_per_block to the workers' block size (or start the workers"
+                " with the same --block-size)."
+            )
+        return expected
+
+    def prompt_ids(self, request: Any) -> list[int] | None:
+        """The prompt's token ids, when some pool routes by cache (else None: no work)."""
+        if not self.hashers:
+            return None
+        return next(iter(self.hashers.values())).ids(request)
+
+    def hashes(self, role: str, ids: list[int] | None) -> tuple[int, ...]:
+        hasher = self.hashers.get(role)
+        return hasher.hashes(ids) if hasher is not None and ids else ()
+
+    def predicted_tokens(self, role: str, url: str, hashes: tuple[int, ...]) -> int:
+        """The cached prompt tokens the index expects `url` to find."""
+        hasher = self.hashers.get(role)
+        if hasher is None or not hashes:
+            return 0
+        return self.index.match(hashes, (url,))[url] * hasher.block_size
+
+    def stats(self) -> dict[str, Any]:
+        return self.index.stats()
+
+
+def _tokens_per_block(pool: PoolConfig) -> int | None:
+    value = pool.router.args.get("tokens_per_block")
+    return int(value) if isinstance(value, int) else None

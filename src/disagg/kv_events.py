@@ -1,0 +1,96 @@
+"""Follows every worker's KV cache events into the prefix index that cache-aware routing reads.
+
+One poll loop for all workers: `POST /kv_cache_events {since, instance}` with each worker's
+cursor. A `reset` answer (first contact, a restarted worker, a cursor older than what the
+worker kept) is a snapshot: the worker's entries are forgotten and rebuilt. A worker whose
+block size differs from the router's is kept out of the index. It never routes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+
+from disagg.cluster import WorkerState
+from disagg.routing.prefix_index import PrefixIndex
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Cursor:
+    since: int = 0
+    instance: str | None = None
+    block_size_ok: bool = True
+
+
+class KVEventFeed:
+    def __init__(
+        self,
+        index: PrefixIndex,
+        workers: list[WorkerState],
+        session: aiohttp.ClientSession,
+        block_size: int,
+        interval_s: float = 0.1,
+    ) -> None:
+        self.index, self.workers, self.session = index, workers, session
+        self.block_size, self.interval_s = block_size, interval_s
+        self.timeout = aiohttp.ClientTimeout(total=2.0)
+        self._cursors: dict[str, _Cursor] = {}
+        self._task: asyncio.Task[None] | None = None
+
+    async def poll_all(self) -> None:
+        await asyncio.gather(*(self._poll(w) for w in self.workers))
+
+    async def _poll(self, w: WorkerState) -> None:
+        cur = self._cursors.setdefault(w.url, _Cursor())
+        body = {"since": cur.since, "instance": cur.instance}
+        try:
+            async with self.session.post(
+                w.url + "/kv_cache_events", json=body, timeout=self.timeout
+            ) as resp:
+                if resp.status != 200:
+                    return  # a worker without the endpoint (or down): nothing to follow
+                data: dict[str, Any] = await resp.json()
+        except (aiohttp.ClientError, TimeoutError, ValueError):
+            return  # the health monitor reports it; the index keeps its last view
+        if data.get("block_size") != self.block_size:
+            if cur.block_size_ok:
+                log.error(
+                    "worker %s has KV block size %s but the router hashes blocks of %d;"
+                    " it gets no cache-aware placement",
+                    w.url,
+                    data.get("block_size"),
+                    self.block_size,
+                )
+            cur.block_size_ok = False
+            self.index.forget(w.url)
+            return
+        cur.block_size_ok = True
+        if data.get("reset"):
+            self.index.forget(w.url)
+        self.index.apply(w.url, data.get("events") or [])
+        cur.since = int(data.get("last_event_id") or 0)
+        cur.instance = data.get("instance")
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._loop(), name="kv-event-feed")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def _loop(self) -> None:
+        while True:
+            try:
+                await self.poll_all()
+            except Exception:
+                log.exception("KV event poll round failed")
+            await asyncio.sleep(self.interval_s)
