@@ -1,6 +1,7 @@
 """Cache-aware routing's moving parts for the pools whose router is `kv_cache_aware`: the
-prefix index, the prompt hasher, the KV event feeds that keep the index current, and the
-start-up check that the router hashes blocks of the workers' size.
+prefix index, the prompt hasher, the KV event feeds that keep the index current, the
+start-up check that the router hashes blocks of the workers' size, and the conditional
+disaggregation test (prefill locally when a generation worker holds nearly all the prompt).
 
 It hashes prompts and predicts cache hits when asked; placement itself stays in the policy.
 """
@@ -113,6 +114,24 @@ class CacheAwareRouting:
         if hasher is None or not hashes:
             return 0
         return self.index.match(hashes, (url,))[url] * hasher.block_size
+
+    def local_prefill(self, ids: list[int] | None, model: str) -> tuple[int, ...] | None:
+        """With `conditional_disagg_config`, the prompt's generation-pool hashes when the
+        context leg should be skipped: some available generation worker holds a cached
+        prefix and at most `max_local_prefill_length` prompt tokens are left to compute
+        (TensorRT-LLM's rule: never when nothing is cached). Else None."""
+        cond = self.config.conditional_disagg
+        if cond is None or "generation" not in self.hashers or not ids:
+            return None
+        hashes = self.hashes("generation", ids)
+        urls = [w.url for w in self.cluster.generation.available(model)]
+        if not hashes or not urls:
+            return None
+        best = max(self.index.match(hashes, urls).values())
+        cached = best * self.hashers["generation"].block_size
+        if best == 0 or len(ids) - cached > cond.max_local_prefill_length:
+            return None
+        return hashes
 
     def stats(self) -> dict[str, Any]:
         return self.index.stats()

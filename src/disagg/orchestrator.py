@@ -167,6 +167,12 @@ class Orchestrator:
         self, job: Job, request: RouteRequest, route: Route, budget: RetryBudget
     ) -> Result:
         endpoint, body, stream = job.endpoint, job.body, job.stream
+        local = self.cache.local_prefill(job.prompt_ids, job.model) if self.cache else None
+        if local is not None:
+            # Conditional disaggregation: a generation worker holds nearly all the prompt, so
+            # it prefills the rest itself (the policy places it by those hashes).
+            request = replace(request, block_hashes=local)
+            return await self._generation_attempt(endpoint, body, request, route, None, stream)
         try:
             ctx_budget = RetryPolicy.off().budget() if job.on_prefill_failure == "fail" else budget
             ctx_resp, ctx = await self._context_leg(endpoint, body, request, route, ctx_budget)

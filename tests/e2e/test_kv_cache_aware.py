@@ -99,3 +99,40 @@ def test_block_size_mismatch_refuses_to_start(procs: Procs, tmp_path: Path) -> N
     assert "block size 16" in out.stderr and "tokens_per_block 32" in out.stderr
     assert c.context_urls[0] in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_conditional_disaggregation_prefills_locally(
+    procs: Procs, tmp_path: Path, mixed_worker: str
+) -> None:
+    c = start_cluster(
+        procs,
+        tmp_path,
+        1,
+        1,
+        **KV_AWARE,
+        conditional_disagg_config={"max_local_prefill_length": 64},
+    )
+    gen = c.generation_urls[0]
+    first = _ask(c, "Question zero?")
+    assert route_of(first)["context"] == c.context_urls[0]  # nothing cached: disaggregated
+    _wait(lambda: _index_has(c, gen), "the index never saw the generation worker's blocks")
+    r = _ask(c, "Question one?")
+    route = route_of(r)
+    assert (route["context"], route["generation"]) == ("-", gen)  # no context leg
+    assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 512
+    # Same answer as one aggregated worker gives.
+    ref = httpx.post(
+        mixed_worker + "/v1/completions",
+        timeout=60,
+        json={
+            "model": "tiny",
+            "prompt": SYSTEM + "Question one?",
+            "max_tokens": 4,
+            "temperature": 0,
+        },
+    ).json()
+    assert r.json()["choices"][0]["text"] == ref["choices"][0]["text"]
+    # More than 64 uncached prompt tokens: the context leg runs again.
+    far = _ask(c, "z" * 300)
+    assert route_of(far)["context"] == c.context_urls[0]
+    assert_no_leaks(c)
