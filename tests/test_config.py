@@ -225,13 +225,13 @@ BAD: list[tuple[str, Any, str]] = [
         "bad router type",
         _with(context_servers={"urls": ["h:1"], "router": {"type": "fastest"}}),
         "context_servers.router.type: expected one of round_robin, load_balancing, kv_cache_aware, "
-        "random, power_of_two, got 'fastest'",
+        "random, power_of_two, conversation, got 'fastest'",
     ),
     (
         "bad top router type",
         _with(router={"type": "round_robbin"}),
         "router.type: expected one of round_robin, load_balancing, kv_cache_aware, random, "
-        "power_of_two, got "
+        "power_of_two, conversation, got "
         "'round_robbin'; did you mean 'round_robin'?",
     ),
     (

@@ -30,7 +30,14 @@ __all__ = [
     "static_config",
 ]
 
-ROUTER_TYPES = ("round_robin", "load_balancing", "kv_cache_aware", "random", "power_of_two")
+ROUTER_TYPES = (
+    "round_robin",
+    "load_balancing",
+    "kv_cache_aware",
+    "random",
+    "power_of_two",
+    "conversation",
+)
 SCHEDULE_STYLES = ("context_first", "generation_first")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
@@ -43,6 +50,8 @@ _ROUTER_ARGS = {
     "max_batch_size": "positive int",
     "max_num_tokens": "positive int",
     "load_weight": "number",  # kv_cache_aware: score = matched blocks - load_weight * in flight
+    "max_imbalance": "positive int",  # conversation: legs beyond the least loaded before moving
+    "max_conversations": "positive int",  # conversation: how many are remembered
 }
 # Server-section keys TensorRT-LLM copies into the router's arguments.
 _ROUTER_INHERITED = ("max_batch_size", "max_num_tokens")

@@ -93,6 +93,7 @@ class Job:
     on_prefill_failure: str = "retry"  # retry | local (aggregated on a generation worker) | fail
     on_generation_failure: str = "retry"  # retry (a new pair) | fail
     prompt_ids: list[int] | None = None  # as the worker will tokenize it (cache-aware routing)
+    conversation: str | None = None  # conversation affinity key (header or `user`)
 
 
 @dataclass
@@ -134,6 +135,7 @@ class Orchestrator:
             job.model,
             tokens=job.endpoint.expected_tokens(job.body),
             block_hashes=self.cache.hashes("context", job.prompt_ids) if self.cache else (),
+            conversation=job.conversation,
         )
         deadline = asyncio.get_running_loop().time() + self.deadlines.request_s
         # Each leg's timeout is cut to the deadline (Route.left); the outer timeout also

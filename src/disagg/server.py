@@ -42,6 +42,13 @@ log = logging.getLogger(__name__)
 INTERNAL_FIELDS = ("disaggregated_params", "prompt_token_ids")
 PREFILL_FAILURE_HEADER = "x-disagg-on-prefill-failure"
 GENERATION_FAILURE_HEADER = "x-disagg-on-generation-failure"
+CONVERSATION_HEADER = "x-disagg-conversation-id"
+
+
+def _conversation(request: web.Request, body: dict[str, Any]) -> str | None:
+    """The conversation-affinity key: the header, else the OpenAI `user` field."""
+    key = request.headers.get(CONVERSATION_HEADER) or body.get("user")
+    return key if isinstance(key, str) and key else None
 
 
 def retry_policy(config: ClusterConfig) -> RetryPolicy:
@@ -240,6 +247,7 @@ class Frontend:
                 self.config.on_generation_failure,
             ),
             self.cache.prompt_ids(typed),
+            _conversation(request, body),
         )
         try:
             async with self.admission.slot() as waited:

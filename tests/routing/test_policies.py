@@ -17,6 +17,7 @@ from disagg.cluster import Breaker, BreakerSettings, Pool, WorkerState
 from disagg.config import parse_config
 from disagg.errors import ServiceUnavailable
 from disagg.routing import Policy, Reservation, RouteRequest, make_policy
+from disagg.routing.affinity import ConversationAffinity
 from disagg.routing.kv_cache_aware import KvCacheAware
 from disagg.routing.load_balancing import InFlightRequests, InFlightTokens, LoadBalancing
 from disagg.routing.power_of_two import PowerOfTwo
@@ -63,6 +64,7 @@ POLICIES: dict[str, Callable[[Pool, random.Random], Policy]] = {
     "load_balancing": lambda pool, rng: LoadBalancing(pool),
     "load_balancing_tokens": lambda pool, rng: LoadBalancing(pool, InFlightTokens()),
     "kv_cache_aware": lambda pool, rng: KvCacheAware(pool, _cached(pool), rng=rng),
+    "conversation": lambda pool, rng: ConversationAffinity(pool, max_imbalance=1),
 }
 
 
@@ -146,7 +148,14 @@ def test_policy_invariants(
         if isinstance(op, Pick):
             avoid = frozenset(f"http://w{j}" for j in op.avoid)
             hashes = CHAIN[: op.tokens % (len(CHAIN) + 1)]
-            request = RouteRequest(i, "tiny", tokens=op.tokens, avoid=avoid, block_hashes=hashes)
+            request = RouteRequest(
+                i,
+                "tiny",
+                tokens=op.tokens,
+                avoid=avoid,
+                block_hashes=hashes,
+                conversation=f"c{op.tokens % 3}",
+            )
             available = pool.available("tiny")
             if not available:
                 with pytest.raises(ServiceUnavailable, match="no context worker can take model"):

@@ -29,6 +29,7 @@ class RouteRequest:
     # Chained hashes (`disagg.engine.kv_cache.block_hashes`) of the prompt's full blocks, all
     # prompt tokens but the last (the worker always computes that one, like TensorRT-LLM).
     block_hashes: tuple[int, ...] = ()
+    conversation: str | None = None  # for conversation affinity
 
     def avoiding(self, url: str | None) -> RouteRequest:
         return replace(self, avoid=self.avoid | {url}) if url else self
@@ -80,6 +81,7 @@ def make_policy(
 ) -> Policy:
     """The policy config names `name`, built from its router `args` (`RouterConfig.args`).
     `kv_cache_aware` reads `index` (a `ValueError` without one); the others ignore it."""
+    from disagg.routing.affinity import ConversationAffinity
     from disagg.routing.kv_cache_aware import KvCacheAware
     from disagg.routing.load_balancing import LoadBalancing
     from disagg.routing.power_of_two import PowerOfTwo
@@ -91,6 +93,7 @@ def make_policy(
         "load_balancing": LoadBalancing.from_args,
         "random": RandomChoice.from_args,
         "power_of_two": PowerOfTwo.from_args,
+        "conversation": ConversationAffinity.from_args,
         "kv_cache_aware": partial(KvCacheAware.from_args, index=index),
     }
     build = table.get(name)
