@@ -373,3 +373,12 @@ def test_bad_fault_handling_keys(data: Any, expected: str) -> None:
     with pytest.raises(ConfigError) as exc:
         parse_config(data)
     assert expected in str(exc.value)
+
+
+def test_router_tokenizer_arg(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text("{}")
+    cfg = parse_config(_with(router={"type": "kv_cache_aware", "tokenizer": str(tmp_path)}))
+    assert cfg.context.router.args["tokenizer"] == str(tmp_path)
+    with pytest.raises(ConfigError) as exc:
+        parse_config(_with(router={"type": "kv_cache_aware", "tokenizer": "/nowhere"}))
+    assert "router.tokenizer: expected 'tiny' or a directory with config.json" in str(exc.value)

@@ -41,7 +41,10 @@ class CacheAwareRouting:
         }
         self.index = PrefixIndex()
         self.hashers = {
-            role: PromptHasher.named("tiny", _tokens_per_block(p) or DEFAULT_BLOCK_SIZE)
+            role: PromptHasher.named(
+                str(p.router.args.get("tokenizer", "tiny")),
+                _tokens_per_block(p) or DEFAULT_BLOCK_SIZE,
+            )
             for role, p in self.pools.items()
         }
         self._feeds: list[KVEventFeed] = []

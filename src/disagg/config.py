@@ -12,6 +12,7 @@ import math
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 from urllib.parse import urlsplit
@@ -52,6 +53,7 @@ _ROUTER_ARGS = {
     "load_weight": "number",  # kv_cache_aware: score = matched blocks - load_weight * in flight
     "max_imbalance": "positive int",  # conversation: legs beyond the least loaded before moving
     "max_conversations": "positive int",  # conversation: how many are remembered
+    "tokenizer": "tokenizer",  # kv_cache_aware: "tiny" or a local Hugging Face model directory
 }
 # Server-section keys TensorRT-LLM copies into the router's arguments.
 _ROUTER_INHERITED = ("max_batch_size", "max_num_tokens")
@@ -407,6 +409,12 @@ def _check_router_arg(key: str, value: Any, path: str) -> None:
         raise ConfigError(path, f"expected true or false, got {_kind(value)} {value!r}")
     if check == "positive int":
         _int(value, path, minimum=1)
+    if check == "tokenizer" and not (
+        value == "tiny" or (isinstance(value, str) and Path(value, "config.json").is_file())
+    ):
+        raise ConfigError(
+            path, f"expected 'tiny' or a directory with config.json, got {_kind(value)} {value!r}"
+        )
     if check == "number" and (
         isinstance(value, bool)
         or not isinstance(value, int | float)
