@@ -8,6 +8,7 @@ It hashes prompts and predicts cache hits when asked; placement itself stays in 
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections import OrderedDict
 from typing import Any
@@ -25,6 +26,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_BLOCK_SIZE = 16  # the reference worker's; used only when no worker answers
 _RECENT = 256  # prompts whose hashes are remembered
+ROUTED_TTL_S = 120.0  # how long a routed prefix counts as cached on a worker without events
 
 
 class StartupError(Exception):
@@ -48,6 +50,7 @@ class CacheAwareRouting:
             for role, p in self.pools.items()
         }
         self._feeds: list[KVEventFeed] = []
+        self.routed_ttl_s = ROUTED_TTL_S
         self._recent: OrderedDict[tuple[int, tuple[int, ...]], tuple[int, ...]] = OrderedDict()
 
     def policy(self, pool: PoolConfig) -> Policy:
@@ -130,6 +133,15 @@ class CacheAwareRouting:
         if hasher is None or not hashes:
             return 0
         return self.index.match(hashes, (url,))[url] * hasher.block_size
+
+    def routed(self, role: str, url: str, hashes: tuple[int, ...]) -> None:
+        """A leg with these prompt hashes ran on `url`. For a worker without KV events this
+        is all the index learns: its blocks count as cached there for `ROUTED_TTL_S`."""
+        if not hashes or not any(url in f.without_events for f in self._feeds):
+            return
+        self.index.apply(url, [{"type": "stored", "block_hashes": list(hashes)}])
+        removed = [{"type": "removed", "block_hashes": list(hashes)}]
+        asyncio.get_running_loop().call_later(self.routed_ttl_s, self.index.apply, url, removed)
 
     def local_prefill(self, ids: list[int] | None, model: str) -> tuple[int, ...] | None:
         """With `conditional_disagg_config`, the prompt's generation-pool hashes when the

@@ -3,7 +3,9 @@
 One poll loop for all workers: `POST /kv_cache_events {since, instance}` with each worker's
 cursor. A `reset` answer (first contact, a restarted worker, a cursor older than what the
 worker kept) is a snapshot: the worker's entries are forgotten and rebuilt. A worker whose
-block size differs from the router's is kept out of the index. It never routes.
+block size differs from the router's is kept out of the index. Workers that have no such
+endpoint are listed in `without_events` (their entries come from where legs were routed,
+see `CacheAwareRouting.routed`). It never routes.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ class KVEventFeed:
         self.block_size, self.interval_s = block_size, interval_s
         self.timeout = aiohttp.ClientTimeout(total=2.0)
         self._cursors: dict[str, _Cursor] = {}
+        self.without_events: set[str] = set()
         self._task: asyncio.Task[None] | None = None
 
     async def poll_all(self) -> None:
@@ -54,8 +57,12 @@ class KVEventFeed:
             async with self.session.post(
                 w.url + "/kv_cache_events", json=body, timeout=self.timeout
             ) as resp:
+                if resp.status in (404, 405):
+                    self.without_events.add(w.url)
+                    return
                 if resp.status != 200:
-                    return  # a worker without the endpoint (or down): nothing to follow
+                    return  # failing now: the health monitor says so; the index waits
+                self.without_events.discard(w.url)
                 data: dict[str, Any] = await resp.json()
         except (aiohttp.ClientError, TimeoutError, ValueError):
             return  # the health monitor reports it; the index keeps its last view

@@ -239,6 +239,8 @@ class Orchestrator:
         reservation.finish(True)
         if ctx.finished:
             reservation.judge(True)
+        if self.cache is not None:
+            self.cache.routed("context", route.context, request.block_hashes)
         return resp, ctx
 
     async def _context_outcome(
@@ -335,6 +337,8 @@ class Orchestrator:
                 reservation.judge(True)
                 reservation.finish(True)
                 _judge_context(route, True)
+                if self.cache is not None:
+                    self.cache.routed("generation", url, request.block_hashes)
                 return Result(route, body=endpoint.clean(resp, ctx))
         except BaseException as exc:
             if _kv_transfer_failed(exc):
@@ -344,6 +348,8 @@ class Orchestrator:
             reservation.finish(False)
             raise
         _judge_context(route, True)  # the worker answers 200 only once it holds the KV
+        if self.cache is not None:
+            self.cache.routed("generation", url, request.block_hashes)
         relay = _Relay(
             upstream,
             reservation,
