@@ -17,8 +17,12 @@ from disagg.demo import free_port
 def test_workers_without_events_learn_from_routing() -> None:
     async def main() -> None:
         port = free_port()
+
+        async def server_info(_r: web.Request) -> web.Response:
+            return web.json_response({"block_size": 16})
+
         app = web.Application()  # a worker with /server_info but no /kv_cache_events
-        app.add_routes([web.get("/server_info", lambda _r: web.json_response({"block_size": 16}))])
+        app.add_routes([web.get("/server_info", server_info)])
         runner = web.AppRunner(app)
         await runner.setup()
         await web.TCPSite(runner, "127.0.0.1", port).start()
