@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -210,6 +210,34 @@ async def _says_draining(resp: aiohttp.ClientResponse) -> bool:
     return isinstance(data, dict) and data.get("status") == "draining"
 
 
+class Periodic:
+    """Runs `run_round()` every `interval_s` in one task it owns, from `start` until `stop`; a
+    round that fails is logged and the next one runs."""
+
+    def __init__(
+        self, name: str, run_round: Callable[[], Awaitable[None]], interval_s: float
+    ) -> None:
+        self.name, self.run_round, self.interval_s = name, run_round, interval_s
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._loop(), name=self.name)
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            try:
+                await self.run_round()
+            except Exception:
+                log.exception("%s round failed", self.name)
+
+
 class HealthMonitor:
     """Polls each worker's /health (and /v1/models when it turns ready)."""
 
@@ -223,8 +251,8 @@ class HealthMonitor:
     ) -> None:
         self.cluster, self.session = cluster, session
         self.thresholds = thresholds or Thresholds()
-        self.interval_s, self.timeout = interval_s, aiohttp.ClientTimeout(total=timeout_s)
-        self._task: asyncio.Task[None] | None = None
+        self.timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self._periodic = Periodic("health-monitor", self.check_all, interval_s)
 
     async def check_all(self) -> None:
         await asyncio.gather(*(self._check(w) for w in self.cluster.workers()))
@@ -264,18 +292,7 @@ class HealthMonitor:
             await asyncio.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
 
     def start(self) -> None:
-        self._task = asyncio.create_task(self._loop(), name="health-monitor")
+        self._periodic.start()
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-
-    async def _loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.interval_s)
-            try:
-                await self.check_all()
-            except Exception:
-                log.exception("health check round failed")
+        await self._periodic.stop()

@@ -11,14 +11,13 @@ see `CacheAwareRouting.routed`). It never routes.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
 
-from disagg.cluster import WorkerState
+from disagg.cluster import Periodic, WorkerState
 from disagg.routing.prefix_index import PrefixIndex
 
 log = logging.getLogger(__name__)
@@ -45,7 +44,7 @@ class KVEventFeed:
         self.timeout = aiohttp.ClientTimeout(total=2.0)
         self._cursors: dict[str, _Cursor] = {}
         self.without_events: set[str] = set()
-        self._task: asyncio.Task[None] | None = None
+        self._periodic = Periodic("kv-event-feed", self.poll_all, interval_s)
 
     async def poll_all(self) -> None:
         await asyncio.gather(*(self._poll(w) for w in self.workers))
@@ -86,18 +85,7 @@ class KVEventFeed:
         cur.instance = data.get("instance")
 
     def start(self) -> None:
-        self._task = asyncio.create_task(self._loop(), name="kv-event-feed")
+        self._periodic.start()
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-
-    async def _loop(self) -> None:
-        while True:
-            try:
-                await self.poll_all()
-            except Exception:
-                log.exception("KV event poll round failed")
-            await asyncio.sleep(self.interval_s)
+        await self._periodic.stop()
