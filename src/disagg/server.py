@@ -17,7 +17,7 @@ import aiohttp
 from aiohttp import web
 
 from disagg.admission import Admission
-from disagg.cache_aware import CacheAwareRouting
+from disagg.cache_aware import CacheAwareRouting, StartupError
 from disagg.cluster import BreakerSettings, Cluster, HealthMonitor, StaticDiscovery, Thresholds
 from disagg.config import GENERATION_FAILURE_POLICIES, PREFILL_FAILURE_POLICIES, ClusterConfig
 from disagg.endpoints import ENDPOINTS, Endpoint
@@ -138,9 +138,13 @@ class Frontend:
                 "not every pool has a ready worker after %.0f s; serving anyway and polling",
                 timeout,
             )
-        self.monitor.start()
         if self.cache.pools:
-            await self.cache.start(self._health_session)
+            try:  # the block-size check first: a cluster it rejects starts nothing
+                await self.cache.start(self._health_session)
+            except StartupError:
+                await self._health_session.close()
+                raise
+        self.monitor.start()
 
     async def _stop(self, _app: web.Application) -> None:
         await self.cache.stop()
