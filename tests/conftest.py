@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import threading
 import time
@@ -213,6 +214,27 @@ class BrokenWorker:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(5)
         self.loop.close()
+
+
+@contextlib.contextmanager
+def failing_pool(procs: Procs, tmp: Path, role: str) -> Iterator[tuple[Cluster, BrokenWorker]]:
+    """A cluster whose `role` pool is one BrokenWorker answering 500 (the other pool one
+    reference worker): one retry 10 ms apart, breaker kept closed, so tests count attempts."""
+    worker = BrokenWorker("500")
+    with worker:
+        broken_pool = {"extra_ctx" if role == "context" else "extra_gen": [worker.url]}
+        n_ctx, n_gen = (0, 1) if role == "context" else (1, 0)
+        c = start_cluster(
+            procs,
+            tmp,
+            n_ctx,
+            n_gen,
+            **broken_pool,
+            max_retries=1,
+            retry_interval=0.01,
+            **NO_BREAKER,
+        )
+        yield c, worker
 
 
 @pytest.fixture

@@ -8,7 +8,15 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from tests.conftest import NO_BREAKER, BrokenWorker, Cluster, Procs, assert_no_leaks, start_cluster
+from tests.conftest import (
+    NO_BREAKER,
+    BrokenWorker,
+    Cluster,
+    Procs,
+    assert_no_leaks,
+    failing_pool,
+    start_cluster,
+)
 
 HEADER = "x-disagg-on-generation-failure"
 
@@ -17,19 +25,8 @@ HEADER = "x-disagg-on-generation-failure"
 def failing_gen(
     procs: Procs, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[Cluster, BrokenWorker]]:
-    worker = BrokenWorker("500")
-    with worker:
-        c = start_cluster(
-            procs,
-            tmp_path_factory.mktemp("gf"),
-            1,
-            0,
-            extra_gen=[worker.url],
-            max_retries=1,
-            retry_interval=0.01,
-            **NO_BREAKER,
-        )
-        yield c, worker
+    with failing_pool(procs, tmp_path_factory.mktemp("gf"), "generation") as cluster_and_worker:
+        yield cluster_and_worker
 
 
 def _post(c: Cluster, headers: dict[str, str] | None = None) -> httpx.Response:

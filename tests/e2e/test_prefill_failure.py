@@ -16,6 +16,7 @@ from tests.conftest import (
     Cluster,
     Procs,
     assert_no_leaks,
+    failing_pool,
     route_of,
     start_cluster,
 )
@@ -27,19 +28,8 @@ HEADER = "x-disagg-on-prefill-failure"
 def failing_ctx(
     procs: Procs, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[Cluster, BrokenWorker]]:
-    worker = BrokenWorker("500")
-    with worker:
-        c = start_cluster(
-            procs,
-            tmp_path_factory.mktemp("pf"),
-            0,
-            1,
-            extra_ctx=[worker.url],
-            max_retries=1,
-            **NO_BREAKER,
-            retry_interval=0.01,
-        )
-        yield c, worker
+    with failing_pool(procs, tmp_path_factory.mktemp("pf"), "context") as cluster_and_worker:
+        yield cluster_and_worker
 
 
 def _post(c: Cluster, policy: str | None, **extra: object) -> httpx.Response:
