@@ -26,7 +26,11 @@ log = logging.getLogger(__name__)
 
 DEFAULT_BLOCK_SIZE = 16  # the reference worker's; used only when no worker answers
 _RECENT = 256  # prompts whose hashes are remembered
-ROUTED_TTL_S = 120.0  # how long a routed prefix counts as cached on a worker without events
+# How long a routed prompt's blocks count as cached on its worker before the worker's own
+# stored event confirms them: long enough for the leg's prefill and the next event poll. A
+# worker without KV events never confirms: there the routed prefixes are all the index has.
+EXPECT_TTL_S = 10.0
+ROUTED_TTL_S = 120.0
 
 
 class StartupError(Exception):
@@ -50,7 +54,8 @@ class CacheAwareRouting:
             for role, p in self.pools.items()
         }
         self._feeds: list[KVEventFeed] = []
-        self.routed_ttl_s = ROUTED_TTL_S
+        self.expect_ttl_s, self.routed_ttl_s = EXPECT_TTL_S, ROUTED_TTL_S
+        self._expiry: dict[tuple[str, tuple[int, ...]], asyncio.TimerHandle] = {}
         self._recent: OrderedDict[tuple[int, tuple[int, ...]], tuple[int, ...]] = OrderedDict()
 
     def policy(self, pool: PoolConfig) -> Policy:
@@ -77,6 +82,9 @@ class CacheAwareRouting:
     async def stop(self) -> None:
         for feed in self._feeds:
             await feed.stop()
+        for timer in self._expiry.values():
+            timer.cancel()
+        self._expiry.clear()
 
     async def _block_size(self, session: aiohttp.ClientSession, pool: PoolConfig) -> int:
         sizes: dict[str, int] = {}
@@ -134,14 +142,26 @@ class CacheAwareRouting:
             return 0
         return self.index.match(hashes, (url,))[url] * hasher.block_size
 
-    def routed(self, role: str, url: str, hashes: tuple[int, ...]) -> None:
-        """A leg with these prompt hashes ran on `url`. For a worker without KV events this
-        is all the index learns: its blocks count as cached there for `ROUTED_TTL_S`."""
-        if not hashes or not any(url in f.without_events for f in self._feeds):
+    def expect(self, url: str, hashes: tuple[int, ...]) -> None:
+        """A leg with these prompt hashes was just placed on `url`, which will hold their
+        blocks once it has prefilled: the index counts them there now, so the next request
+        with the prefix is placed (and its hit predicted) as if the events had arrived. A
+        worker's stored events confirm them; unconfirmed, they go after `expect_ttl_s`, or
+        `routed_ttl_s` on a worker without events (the approximate mode)."""
+        if not hashes:
             return
-        self.index.apply(url, [{"type": "stored", "block_hashes": list(hashes)}])
-        removed = [{"type": "removed", "block_hashes": list(hashes)}]
-        asyncio.get_running_loop().call_later(self.routed_ttl_s, self.index.apply, url, removed)
+        self.index.expect(url, hashes)
+        key = (url, hashes)
+        if (old := self._expiry.pop(key, None)) is not None:
+            old.cancel()  # routed again: the wait starts over
+        eventless = any(url in f.without_events for f in self._feeds)
+        self._expiry[key] = asyncio.get_running_loop().call_later(
+            self.routed_ttl_s if eventless else self.expect_ttl_s, self._expire, key
+        )
+
+    def _expire(self, key: tuple[str, tuple[int, ...]]) -> None:
+        del self._expiry[key]
+        self.index.expire(*key)
 
     def local_prefill(self, ids: list[int] | None, model: str) -> tuple[int, ...] | None:
         """With `conditional_disagg_config`, the prompt's generation-pool hashes when the

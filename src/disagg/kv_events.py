@@ -5,7 +5,7 @@ cursor. A `reset` answer (first contact, a restarted worker, a cursor older than
 worker kept) is a snapshot: the worker's entries are forgotten and rebuilt. A worker whose
 block size differs from the router's is kept out of the index. Workers that have no such
 endpoint are listed in `without_events` (their entries come from where legs were routed,
-see `CacheAwareRouting.routed`). It never routes.
+see `CacheAwareRouting.expect`). It never routes.
 """
 
 from __future__ import annotations

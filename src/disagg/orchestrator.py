@@ -226,6 +226,7 @@ class Orchestrator:
             route.predicted_cached_tokens = self.cache.predicted_tokens(
                 "context", route.context, request.block_hashes
             )
+            self.cache.expect(route.context, request.block_hashes)
         try:
             payload = endpoint.context_request(body, self.next_id())
             resp = await self.client.post(
@@ -239,8 +240,6 @@ class Orchestrator:
         reservation.finish(True)
         if ctx.finished:
             reservation.judge(True)
-        if self.cache is not None:
-            self.cache.routed("context", route.context, request.block_hashes)
         return resp, ctx
 
     async def _context_outcome(
@@ -321,6 +320,8 @@ class Orchestrator:
         (None) the whole request, aggregated, on a generation worker."""
         reservation = Reservation(self.generation_policy, request)
         url = route.generation = reservation.worker.url
+        if self.cache is not None:
+            self.cache.expect(url, request.block_hashes)
         try:
             if ctx is None:
                 payload = body
@@ -337,8 +338,6 @@ class Orchestrator:
                 reservation.judge(True)
                 reservation.finish(True)
                 _judge_context(route, True)
-                if self.cache is not None:
-                    self.cache.routed("generation", url, request.block_hashes)
                 return Result(route, body=endpoint.clean(resp, ctx))
         except BaseException as exc:
             if _kv_transfer_failed(exc):
@@ -348,8 +347,6 @@ class Orchestrator:
             reservation.finish(False)
             raise
         _judge_context(route, True)  # the worker answers 200 only once it holds the KV
-        if self.cache is not None:
-            self.cache.routed("generation", url, request.block_hashes)
         relay = _Relay(
             upstream,
             reservation,

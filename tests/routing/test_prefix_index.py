@@ -50,20 +50,45 @@ class Model:
     def __init__(self, max_blocks: int) -> None:
         self.max_blocks = max_blocks
         self.entries: OrderedDict[tuple[str, int], None] = OrderedDict()
+        self.expected: set[tuple[str, int]] = set()  # entries no stored event confirmed
         self.evicted = self.unknown = 0
+
+    def _add(self, key: tuple[str, int]) -> None:
+        self.entries[key] = None
+        self.entries.move_to_end(key)
+
+    def _bound(self) -> None:  # after each chain, as the index does
+        while len(self.entries) > self.max_blocks:
+            old, _ = self.entries.popitem(last=False)
+            self.expected.discard(old)
+            self.evicted += 1
+
+    def _drop(self, key: tuple[str, int]) -> None:
+        self.entries.pop(key, None)
+        self.expected.discard(key)
+
+    def expect(self, url: str, hashes: list[int]) -> None:
+        for h in hashes:
+            if (url, h) not in self.entries:
+                self.expected.add((url, h))
+            self._add((url, h))
+        self._bound()
+
+    def expire(self, url: str, hashes: list[int]) -> None:
+        for h in hashes:
+            if (url, h) in self.expected:
+                self._drop((url, h))
 
     def apply(self, url: str, events: list[dict[str, Any]]) -> None:
         for e in events:
             if e["type"] == "stored":
                 for h in e["block_hashes"]:
-                    self.entries[(url, h)] = None
-                    self.entries.move_to_end((url, h))
-                while len(self.entries) > self.max_blocks:
-                    self.entries.popitem(last=False)
-                    self.evicted += 1
+                    self.expected.discard((url, h))
+                    self._add((url, h))
+                self._bound()
             elif e["type"] == "removed":
                 for h in e["block_hashes"]:
-                    self.entries.pop((url, h), None)
+                    self._drop((url, h))
             elif e["type"] == "cleared":
                 self.forget(url)
             else:
@@ -71,7 +96,7 @@ class Model:
 
     def forget(self, url: str) -> None:
         for key in [k for k in self.entries if k[0] == url]:
-            del self.entries[key]
+            self._drop(key)
 
     def held(self, url: str) -> set[int]:
         return {h for u, h in self.entries if u == url}
@@ -126,11 +151,15 @@ def test_agrees_with_the_naive_model(max_blocks: int, data: st.DataObject) -> No
     index, model = PrefixIndex(max_blocks), Model(max_blocks)
     for _ in range(data.draw(st.integers(0, 40))):
         url = data.draw(st.sampled_from(URLS))
-        op = data.draw(st.sampled_from(["events", "events", "forget", "match"]))
+        op = data.draw(st.sampled_from(["events", "events", "forget", "match", "expect", "expire"]))
         if op == "events":
             events = data.draw(st.lists(st.composite(_event)(tree), max_size=4))
             index.apply(url, events)
             model.apply(url, events)
+        elif op in ("expect", "expire"):  # a routed prompt, or one whose wait is over
+            prompt = tree.path(data.draw(st.integers(0, len(tree.parents) - 1)))
+            getattr(index, op)(url, prompt)
+            getattr(model, op)(url, prompt)
         elif op == "forget":
             index.forget(url)
             model.forget(url)
@@ -143,6 +172,7 @@ def test_agrees_with_the_naive_model(max_blocks: int, data: st.DataObject) -> No
         held = {url: len(model.held(url)) for url in URLS if model.held(url)}
         assert stats["workers"] == held
         assert stats["evicted"] == model.evicted
+        assert stats["expected"] == len(model.expected)
         assert stats["unknown_events"] == model.unknown
         assert stats["orphans"] == model.orphans(tree)  # no more walking than holes need
     for node in range(len(tree.parents)):  # every prompt the tree has, on every worker

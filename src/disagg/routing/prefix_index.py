@@ -1,7 +1,11 @@
 """Which worker holds which KV block hashes, as their KV events say; and for a prompt's chained
 block hashes, how many leading blocks each worker holds. Bounded: past `max_blocks` entries the
 least recently stored go. Pure and single-threaded (the event loop's): it does no I/O, never
-routes, and trusts the hashes it is given (it never hashes tokens itself)."""
+routes, and trusts the hashes it is given (it never hashes tokens itself).
+
+Besides what the events say, it holds what the router expects: the blocks of a prompt just
+routed to a worker (`expect`), which that worker is about to compute, until the worker's own
+stored event confirms them or the router lets them `expire`."""
 
 from __future__ import annotations
 
@@ -29,7 +33,8 @@ class PrefixIndex:
 
     Events: `{"type": "stored", "block_hashes": [...], "parent_hash": p}` adds a chain (each
     hash the child of the one before, the first of `p`; no `p`: the chain starts the prompt),
-    and a second store refreshes a hash. `{"type": "removed", "block_hashes": [...]}` drops
+    and a second store refreshes a hash (and confirms an expected one).
+    `{"type": "removed", "block_hashes": [...]}` drops
     hashes, `{"type": "cleared"}` all of the worker's. Other types are counted and skipped;
     `event_id` and `token_ids` are not read (the feed keeps the cursor). A worker that
     restarted or must be resynced is `forget`-ten, then fed its snapshot, in any order.
@@ -54,6 +59,7 @@ class PrefixIndex:
         self._urls: list[str] = []  # worker id -> url; "" where free
         self._orphans: list[int] = []  # worker id -> its hashes held without their parent
         self._holed = 0  # bitmask of the workers with orphans
+        self._expected: set[int] = set()  # packed entries no stored event has confirmed yet
         self._evicted = 0
         self._unknown = 0
 
@@ -65,13 +71,31 @@ class PrefixIndex:
         for event in events:
             kind = event.get("type")
             if kind == "stored":
-                self._store(url, _hashes_of(event), event.get("parent_hash"))
+                self._store(url, _hashes_of(event), event.get("parent_hash"), confirm=True)
             elif kind == "removed":
                 self._remove(url, _hashes_of(event))
             elif kind == "cleared":
                 self.forget(url)
             else:
                 self._unknown += 1
+
+    def expect(self, url: str, hashes: Sequence[int]) -> None:
+        """A prompt with these chained hashes was just routed to `url`: count its blocks
+        there from now (it will store them), refreshing those it holds, until a stored event
+        confirms them or `expire` drops them."""
+        self._store(url, hashes, None, confirm=False)
+
+    def expire(self, url: str, hashes: Sequence[int]) -> None:
+        """Drop those of `hashes` on `url` that are still only expected."""
+        bit = self._bits.get(url)
+        if bit is None or not self._expected:
+            return
+        wid = bit.bit_length() - 1
+        for h in hashes:
+            key = (h << _ID_BITS) | wid
+            if key in self._expected:
+                del self._lru[key]
+                self._drop(h, wid, key)
 
     def forget(self, url: str) -> None:
         """Drop everything `url` holds (it restarted, or is about to be resynced)."""
@@ -84,6 +108,7 @@ class PrefixIndex:
         for h in held:
             key = (h << _ID_BITS) | wid
             del lru[key]
+            self._expected.discard(key)
             kids.pop(key, None)
             parent = parents[h]
             if parent is not None:
@@ -95,18 +120,23 @@ class PrefixIndex:
                 del holders[h], parents[h]
         self._release(url, wid)
 
-    def _store(self, url: str, hashes: Sequence[int], parent: int | None) -> None:
+    def _store(self, url: str, hashes: Sequence[int], parent: int | None, confirm: bool) -> None:
         if not hashes:
             return
         bit = self._bits.get(url)
         wid = self._new_id(url) if bit is None else bit.bit_length() - 1
         held, lru, holders, mine = self._held[url], self._lru, self._holders, 1 << wid
+        expected = self._expected
         for h in hashes:
             key = (h << _ID_BITS) | wid
             if key in lru:
                 lru.move_to_end(key)
+                if confirm:
+                    expected.discard(key)
             else:
                 lru[key] = None
+                if not confirm:
+                    expected.add(key)
                 held.add(h)
                 holders[h] = holders.get(h, 0) | mine
                 self._link(h, parent, wid, key)
@@ -144,6 +174,7 @@ class PrefixIndex:
 
     def _drop(self, h: int, wid: int, key: int) -> None:
         """Take hash `h` from worker `wid`; its LRU entry `key` is already gone."""
+        self._expected.discard(key)
         url = self._urls[wid]
         held = self._held[url]
         held.discard(h)
@@ -269,12 +300,14 @@ class PrefixIndex:
     def stats(self) -> dict[str, Any]:
         """`entries` ((hash, worker) pairs), `workers` (url -> entries, for those holding
         any), `hashes` (distinct), `orphans` (entries whose parent that worker lacks),
-        `evicted`, `unknown_events`, `approx_bytes`."""
+        `expected` (entries no stored event confirmed yet), `evicted`, `unknown_events`,
+        `approx_bytes`."""
         return {
             "entries": len(self._lru),
             "workers": {url: len(held) for url, held in self._held.items()},
             "hashes": len(self._holders),
             "orphans": sum(self._orphans),
+            "expected": len(self._expected),
             "max_blocks": self.max_blocks,
             "evicted": self._evicted,
             "unknown_events": self._unknown,
