@@ -13,6 +13,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from disagg.engine.kv_cache import (
     BlockManager,
     OutOfBlocks,
+    PrefixHold,
     SeqBlocks,
     block_hashes,
     hash_block,
@@ -169,6 +170,112 @@ def test_out_of_blocks_leaves_state_unchanged() -> None:
     m.check_invariants()
 
 
+def _cache(m: BlockManager, prompt: list[int]) -> None:
+    """Compute `prompt` and free it: its full blocks stay cached (evictable)."""
+    seq = m.allocate(prompt)
+    m.commit(seq, len(prompt))
+    m.free(seq)
+
+
+def test_hold_keeps_the_cached_prefix_through_eviction_pressure() -> None:
+    m = make(num_blocks=8)
+    _cache(m, list(range(9)))  # two cached blocks, six free
+    prompt = [*range(8), 50, 51]
+    hold = m.hold_prefix(prompt)
+    assert len(hold.block_table) == 2 and hold.next_hash is None
+    held = list(hold.block_table)
+    assert m.stats() | {"queried_tokens": 0, "hit_tokens": 0} == {
+        "num_blocks": 8,
+        "block_size": B,
+        "free": 6,
+        "used": 2,  # held: out of the evictable LRU
+        "cached": 0,
+        "queried_tokens": 0,
+        "hit_tokens": 0,
+    }
+    before = snapshot(m)
+    with pytest.raises(OutOfBlocks):  # would have to evict a held block
+        m.allocate(list(range(100, 100 + 7 * B)))
+    assert snapshot(m) == before
+    other = m.allocate(list(range(100, 100 + 5 * B)))  # five of the six free blocks
+    seq = m.allocate(prompt, held=hold)
+    assert seq.num_cached_tokens == 2 * B
+    assert seq.block_table[:2] == held
+    assert hold.block_table == []  # the references passed to `seq`
+    assert not [e for e in m.events_since(0) if e["type"] == "removed"]
+    m.release(hold)  # consumed: nothing left to drop
+    m.free(seq)
+    m.free(other)
+    s = m.stats()
+    assert (s["used"], s["free"] + s["cached"]) == (0, 8)
+    m.check_invariants()
+
+
+def test_release_gives_held_blocks_back_and_is_idempotent() -> None:
+    m = make(num_blocks=8)
+    _cache(m, list(range(9)))
+    hold = m.hold_prefix([*range(8), 7])
+    m.release(hold)
+    m.release(hold)
+    assert (m.stats()["used"], m.stats()["cached"]) == (0, 2)
+    assert m.hold_prefix([9, 9, 9, 9, 9]).block_table == []  # nothing cached: an empty hold
+    # A released hold holds nothing, but can be taken up again while the blocks are cached.
+    assert m.extend_hold(hold) == 2
+    m.release(hold)
+    m.check_invariants()
+    assert m.stats()["used"] == 0
+
+
+def test_hold_never_matches_the_last_prompt_token() -> None:
+    m = make()
+    _cache(m, list(range(3 * B)))
+    exact = m.hold_prefix(list(range(2 * B)))  # both blocks cached, only the first may match
+    assert len(exact.block_table) == 1 and exact.next_hash is None
+    seq = m.allocate(list(range(2 * B)), held=exact)
+    assert seq.num_cached_tokens == B
+    m.free(seq)
+    assert m.stats()["used"] == 0
+
+
+def test_allocate_extends_the_hold_with_blocks_cached_since() -> None:
+    m = make(num_blocks=10)
+    prompt = list(range(3 * B + 1))
+    hashes = block_hashes(prompt, B)
+    first = m.allocate(prompt)
+    assert first.pending_hashes == hashes
+    m.commit(first, B + 2)
+    assert first.pending_hashes == hashes[1:]
+    hold = m.hold_prefix(prompt)
+    assert len(hold.block_table) == 1 and hold.next_hash == hashes[1]
+    m.commit(first, 2 * B)
+    assert m.extend_hold(hold) == 2
+    m.commit(first, 3 * B)
+    assert first.pending_hashes == []
+    second = m.allocate(prompt, held=hold)  # the third block was committed after the hold
+    assert second.num_cached_tokens == 3 * B
+    assert second.block_table[:3] == first.block_table[:3]
+    assert second.pending_hashes == []
+    s = m.stats()
+    assert (s["queried_tokens"], s["hit_tokens"]) == (2 * len(prompt), 3 * B)
+    with pytest.raises(ValueError, match="different prompt"):
+        m.allocate(prompt[:5], held=m.hold_prefix(prompt))
+    m.free(first)
+    m.free(second)
+
+
+def test_allocate_keeps_the_reserve() -> None:
+    m = make(num_blocks=8)
+    a = m.allocate(list(range(9)), reserve=5)  # 3 blocks, 5 left
+    before = snapshot(m)
+    with pytest.raises(OutOfBlocks, match="reserve"):
+        m.allocate(list(range(100, 105)), reserve=4)  # 2 blocks would leave 3
+    assert snapshot(m) == before
+    b = m.allocate(list(range(100, 105)), reserve=3)
+    m.free(a)
+    m.free(b)
+    m.check_invariants()
+
+
 def test_stored_events_and_duplicate_commit() -> None:
     m = make()
     toks = list(range(2 * B + 1))
@@ -320,6 +427,47 @@ class BlockManagerMachine(RuleBasedStateMachine):
         super().__init__()
         self.m = BlockManager((1, 2, 10, 3, 1, 1), "float32", event_capacity=50)
         self.live: list[SeqBlocks] = []
+        self.holds: list[tuple[list[int], PrefixHold]] = []  # (prompt, hold) of waiting prompts
+
+    @rule(prompt=st.lists(st.integers(0, 2), min_size=1, max_size=14))
+    def hold(self, prompt: list[int]) -> None:
+        hold = self.m.hold_prefix(prompt)
+        assert len(hold.block_table) <= (len(prompt) - 1) // 3
+        self.holds.append((prompt, hold))
+
+    @precondition(lambda self: self.holds)
+    @rule(data=st.data())
+    def extend_hold(self, data: st.DataObject) -> None:
+        _, hold = data.draw(st.sampled_from(self.holds))
+        n = len(hold.block_table)
+        assert self.m.extend_hold(hold) >= n
+
+    @precondition(lambda self: self.holds)
+    @rule(data=st.data())
+    def release(self, data: st.DataObject) -> None:
+        _, hold = data.draw(st.sampled_from(self.holds))
+        self._forget(hold)
+        self.m.release(hold)
+        self.m.release(hold)
+
+    @precondition(lambda self: self.holds)
+    @rule(data=st.data(), reserve=st.integers(0, 3))
+    def allocate_held(self, data: st.DataObject, reserve: int) -> None:
+        prompt, hold = data.draw(st.sampled_from(self.holds))
+        held = len(hold.block_table)
+        before = snapshot(self.m)
+        try:
+            seq = self.m.allocate(prompt, held=hold, reserve=reserve)
+        except OutOfBlocks:
+            assert snapshot(self.m) == before and len(hold.block_table) == held
+            return
+        assert seq.num_cached_tokens >= held * 3  # a hold never shrinks
+        assert hold.block_table == []
+        self._forget(hold)
+        self.live.append(seq)
+
+    def _forget(self, hold: PrefixHold) -> None:
+        self.holds = [e for e in self.holds if e[1] is not hold]
 
     @rule(prompt=st.lists(st.integers(0, 2), min_size=1, max_size=14))
     def allocate(self, prompt: list[int]) -> None:
@@ -373,6 +521,9 @@ class BlockManagerMachine(RuleBasedStateMachine):
             assert len(seq.block_table) * 3 >= seq.num_tokens
             for b in seq.block_table:
                 expected[b] += 1
+        for _, hold in self.holds:
+            for b in hold.block_table:
+                expected[b] += 1
         assert [self.m.refcount(b) for b in range(self.m.num_blocks)] == expected
         s = self.m.stats()
         assert s["free"] + s["cached"] + s["used"] == s["num_blocks"]
@@ -381,6 +532,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def teardown(self) -> None:
         for seq in self.live:
             self.m.free(seq)
+        for _, hold in self.holds:
+            self.m.release(hold)
         s = self.m.stats()
         assert s["used"] == 0
         assert s["free"] + s["cached"] == s["num_blocks"]

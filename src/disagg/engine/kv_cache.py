@@ -1,13 +1,17 @@
 """Paged KV cache block manager for the reference worker: block ids, refcounts, prefix cache.
 
 Owns the ``kv`` storage array and the bookkeeping of which physical block belongs to whom, plus KV
-events for a router. It does no I/O, starts no threads and computes no model
-math; it is called from one scheduler thread only (not thread-safe).
+events for a router. A waiting prompt can hold its cached prefix (``hold_prefix``) so the blocks
+leave the evictable LRU until ``allocate`` starts from them or ``release`` gives them back.
+It does no I/O, starts no threads and computes no model math; it is called from one scheduler
+thread only (not thread-safe), except its event log, which a router's poll reads from any
+thread without waiting for the scheduler's step to end.
 """
 
 from __future__ import annotations
 
 import hashlib
+import threading
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -19,6 +23,7 @@ __all__ = [
     "ROOT_HASH",
     "BlockManager",
     "OutOfBlocks",
+    "PrefixHold",
     "SeqBlocks",
     "block_hashes",
     "hash_block",
@@ -71,7 +76,34 @@ class SeqBlocks:
     token_ids: list[int]  # all tokens so far (needed to hash blocks as they fill)
     # Chained hashes of the leading full blocks already committed (or matched); internal.
     hashes: list[int] = field(default_factory=list, repr=False)
+    # Chained hashes of every full block of the prompt, committed or not; internal.
+    prompt_hashes: list[int] = field(default_factory=list, repr=False)
     freed: bool = field(default=False, repr=False)
+
+    @property
+    def pending_hashes(self) -> list[int]:
+        """Hashes of the full prompt blocks allocated here whose KV is not committed yet."""
+        return self.prompt_hashes[len(self.hashes) :]
+
+
+@dataclass
+class PrefixHold:
+    """References on the leading cached blocks of a prompt that waits to be allocated.
+
+    Held blocks are out of the evictable LRU, so the prefix found at arrival survives the wait.
+    An empty hold (released, consumed by ``allocate``, or nothing cached) holds nothing and may
+    be extended again.
+    """
+
+    prompt_hashes: list[int]  # chained hashes of the prompt's full blocks
+    matchable: int  # leading blocks that may be matched: >= 1 prompt token is left to compute
+    block_table: list[int] = field(default_factory=list)  # held blocks: prompt blocks [0, n)
+
+    @property
+    def next_hash(self) -> int | None:
+        """Hash of the first block past the held prefix, None when no further block may match."""
+        n = len(self.block_table)
+        return self.prompt_hashes[n] if n < self.matchable else None
 
 
 class BlockManager:
@@ -106,6 +138,9 @@ class BlockManager:
         self._evictable: OrderedDict[int, None] = OrderedDict()
         self._events: deque[dict[str, Any]] = deque(maxlen=event_capacity)
         self._next_event_id = 1
+        # Guards the two above: a poll reads them between a step's evictions, not after the
+        # step (a step of a busy worker takes long enough for the router to act on old news).
+        self._events_lock = threading.Lock()
         self._queried_tokens = 0
         self._hit_tokens = 0
 
@@ -115,9 +150,10 @@ class BlockManager:
         return -(-num_tokens // self.block_size)
 
     def _emit(self, event: dict[str, Any]) -> None:
-        event["event_id"] = self._next_event_id
-        self._next_event_id += 1
-        self._events.append(event)
+        with self._events_lock:
+            event["event_id"] = self._next_event_id
+            self._next_event_id += 1
+            self._events.append(event)
 
     def _take_blocks(self, n: int) -> list[int]:
         """Take ``n`` blocks (free list first, then LRU eviction); caller checked availability."""
@@ -139,43 +175,89 @@ class BlockManager:
             self._emit({"type": "removed", "block_hashes": removed})
         return taken
 
-    def _match_prefix(self, prompt_ids: Sequence[int]) -> tuple[list[int], list[int]]:
-        """Blocks (and their hashes) of the longest cached prefix, leaving >= 1 token to compute."""
-        cap = max(0, (len(prompt_ids) - 1) // self.block_size)
+    def _empty_hold(self, prompt_ids: Sequence[int]) -> PrefixHold:
+        if len(prompt_ids) == 0:
+            raise ValueError("prompt_ids must not be empty")
+        # The last prompt token is always computed: its logits give the first output token.
+        matchable = (len(prompt_ids) - 1) // self.block_size
+        return PrefixHold(block_hashes(prompt_ids, self.block_size), matchable)
+
+    def _match_past(self, hold: PrefixHold) -> list[int]:
+        """Cached blocks that continue the held prefix, up to the first miss (not referenced)."""
         blocks: list[int] = []
-        hashes: list[int] = []
-        for h in block_hashes(prompt_ids[: cap * self.block_size], self.block_size):
+        for h in hold.prompt_hashes[len(hold.block_table) : hold.matchable]:
             block = self._hash_to_block.get(h)
             if block is None:
                 break
             blocks.append(block)
-            hashes.append(h)
-        return blocks, hashes
+        return blocks
+
+    def _ref(self, block: int) -> None:
+        if self._refcount[block] == 0:
+            del self._evictable[block]
+        self._refcount[block] += 1
+
+    def _unref(self, blocks: list[int]) -> None:
+        """Drop one reference on each block; the last one listed becomes evictable first."""
+        for block in reversed(blocks):
+            self._refcount[block] -= 1
+            if self._refcount[block] == 0:
+                if self._block_hash[block] is not None:
+                    self._evictable[block] = None
+                else:
+                    self._free.append(block)
 
     # ------------------------------------------------------------------ sequence API
 
-    def allocate(self, prompt_ids: Sequence[int]) -> SeqBlocks:
-        """Match the cached prefix of ``prompt_ids`` and allocate blocks for the rest.
+    def hold_prefix(self, prompt_ids: Sequence[int]) -> PrefixHold:
+        """Reference the cached prefix of ``prompt_ids`` (as ``allocate`` would match it) so it
+        cannot be evicted; end it with ``allocate(prompt_ids, held=...)`` or ``release``."""
+        hold = self._empty_hold(prompt_ids)
+        self.extend_hold(hold)
+        return hold
 
-        Raises ``OutOfBlocks`` (state unchanged) when the remaining blocks cannot be provided.
-        Newly full prompt blocks are registered only by a later ``commit``.
+    def extend_hold(self, hold: PrefixHold) -> int:
+        """Also hold the blocks past the held prefix that are cached by now; returns the number
+        of blocks held (it never shrinks here). Allocates nothing, so it never evicts."""
+        for block in self._match_past(hold):
+            self._ref(block)
+            hold.block_table.append(block)
+        return len(hold.block_table)
+
+    def release(self, hold: PrefixHold) -> None:
+        """Drop the hold's references (its blocks become evictable again); idempotent."""
+        self._unref(hold.block_table)
+        hold.block_table = []
+
+    def allocate(
+        self, prompt_ids: Sequence[int], *, held: PrefixHold | None = None, reserve: int = 0
+    ) -> SeqBlocks:
+        """Allocate blocks for ``prompt_ids``: the blocks ``held`` for it (``hold_prefix`` of the
+        same prompt), then every further cached block of its prefix, then new blocks.
+
+        Raises ``OutOfBlocks`` (state unchanged) unless the blocks can be provided with at least
+        ``reserve`` free or evictable blocks left over. On success the hold's references pass to
+        the returned blocks and ``held`` is left empty. Newly full prompt blocks are registered
+        only by a later ``commit``.
         """
-        if len(prompt_ids) == 0:
-            raise ValueError("prompt_ids must not be empty")
-        matched, hashes = self._match_prefix(prompt_ids)
-        needed = self._blocks_for(len(prompt_ids)) - len(matched)
-        resurrected = sum(1 for b in matched if self._refcount[b] == 0)
+        hold = self._empty_hold(prompt_ids) if held is None else held
+        if len(hold.prompt_hashes) != len(prompt_ids) // self.block_size:
+            raise ValueError("the hold was taken for a different prompt")
+        extra = self._match_past(hold)
+        matched = len(hold.block_table) + len(extra)
+        needed = self._blocks_for(len(prompt_ids)) - matched
+        resurrected = sum(1 for b in extra if self._refcount[b] == 0)
         available = len(self._free) + len(self._evictable) - resurrected
-        if needed > available:
+        if needed + reserve > available:
             raise OutOfBlocks(
-                f"need {needed} blocks for a {len(prompt_ids)}-token prompt, {available} available"
+                f"need {needed} blocks for a {len(prompt_ids)}-token prompt and {reserve} in"
+                f" reserve, {available} available"
             )
-        for block in matched:
-            if self._refcount[block] == 0:
-                del self._evictable[block]
-            self._refcount[block] += 1
-        table = matched + self._take_blocks(needed)
-        num_cached = len(matched) * self.block_size
+        for block in extra:
+            self._ref(block)
+        table = hold.block_table + extra + self._take_blocks(needed)
+        hold.block_table = []
+        num_cached = matched * self.block_size
         self._queried_tokens += len(prompt_ids)
         self._hit_tokens += num_cached
         return SeqBlocks(
@@ -183,7 +265,8 @@ class BlockManager:
             num_tokens=len(prompt_ids),
             num_cached_tokens=num_cached,
             token_ids=list(prompt_ids),
-            hashes=hashes,
+            hashes=hold.prompt_hashes[:matched],
+            prompt_hashes=list(hold.prompt_hashes),
         )
 
     def commit(self, seq: SeqBlocks, num_computed: int) -> None:
@@ -241,13 +324,7 @@ class BlockManager:
         if seq.freed:
             return
         seq.freed = True
-        for block in reversed(seq.block_table):
-            self._refcount[block] -= 1
-            if self._refcount[block] == 0:
-                if self._block_hash[block] is not None:
-                    self._evictable[block] = None
-                else:
-                    self._free.append(block)
+        self._unref(seq.block_table)
         seq.block_table = []
 
     def can_allocate(self, num_tokens: int) -> bool:
@@ -271,7 +348,8 @@ class BlockManager:
 
     def events_since(self, event_id: int) -> list[dict[str, Any]]:
         """Retained events with id > ``event_id``, oldest first."""
-        return [dict(e) for e in self._events if e["event_id"] > event_id]
+        with self._events_lock:
+            return [dict(e) for e in self._events if e["event_id"] > event_id]
 
     @property
     def last_event_id(self) -> int:
@@ -279,8 +357,19 @@ class BlockManager:
 
     def has_events_since(self, event_id: int) -> bool:
         """Whether every event after ``event_id`` is still retained (none was dropped)."""
-        oldest = self._events[0]["event_id"] if self._events else self._next_event_id
-        return oldest - 1 <= event_id <= self.last_event_id
+        with self._events_lock:
+            oldest = self._events[0]["event_id"] if self._events else self._next_event_id
+            return oldest - 1 <= event_id <= self.last_event_id
+
+    def read_events(self, event_id: int) -> tuple[list[dict[str, Any]], int] | None:
+        """The events after ``event_id`` and the id of the last one, read at once; safe from
+        any thread. None when some were dropped already (the reader needs a snapshot)."""
+        with self._events_lock:
+            oldest = self._events[0]["event_id"] if self._events else self._next_event_id
+            last = self._next_event_id - 1
+            if not oldest - 1 <= event_id <= last:
+                return None
+            return [dict(e) for e in self._events if e["event_id"] > event_id], last
 
     def cached_hashes(self) -> list[int]:
         """The hash of every block the cache holds now (used or evictable)."""

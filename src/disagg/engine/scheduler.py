@@ -1,9 +1,12 @@
 """Continuous batching for the reference worker: one thread owns the model and the KV cache.
 
 Each step batches one decode token for every running sequence plus prefill chunks within a
-token budget, so a long prompt never stalls decodes for its whole length. All KV-cache access
-happens on this thread (`call` runs a function there); results go back to asyncio through
-per-sequence sinks. It must not do I/O or know about HTTP.
+token budget, so a long prompt never stalls decodes for its whole length. Admission keeps the
+cached-token count a router predicted: a waiting prompt holds its cached prefix from arrival,
+waits for a prefix block a running prefill is about to commit instead of recomputing it, and
+is admitted only while every running sequence keeps room to reach its max_tokens. All KV-cache
+access happens on this thread (`call` runs a function there); results go back to asyncio
+through per-sequence sinks. It must not do I/O or know about HTTP.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from disagg.engine.kv_cache import BlockManager, OutOfBlocks, SeqBlocks
+from disagg.engine.kv_cache import BlockManager, OutOfBlocks, PrefixHold, SeqBlocks
 from disagg.engine.model import ForwardItem, Model, sample
 from disagg.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -58,6 +61,7 @@ class Sequence:
     detok: IncrementalDetokenizer
     context_only: bool = False
     blocks: SeqBlocks | None = None  # given when the prompt's KV already arrived (generation_only)
+    hold: PrefixHold | None = None  # its cached prefix, held from arrival until admission
     output_ids: list[int] = field(default_factory=list)
     num_computed: int = 0
     num_cached_tokens: int = 0
@@ -119,9 +123,8 @@ class Scheduler:
         return next(self._ids)
 
     def submit(self, seq: Sequence) -> None:
-        with self._cond:
-            self.waiting.append(seq)
-            self._cond.notify()
+        """Queue `seq`; it joins `waiting` on the scheduler thread, which alone touches it."""
+        self.post(lambda: self._arrive(seq))
 
     def abort(self, seq: Sequence) -> None:
         """The client is gone: stop the sequence, and drop its KV if it was pinned already."""
@@ -176,18 +179,25 @@ class Scheduler:
                         break
                 if self._stop:
                     return
-                calls = list(self._calls)
-                self._calls.clear()
-            try:
-                for run in calls:
-                    run()
-                self._sweep_leases()
-                if self._step() and not self.running:
-                    with self._cond:  # admission waits for blocks to be freed or released
-                        self._cond.wait(timeout=0.05)
-            except Exception:
-                log.exception("scheduler step failed; failing the running sequences")
-                self._fail_all()
+            if self.step() and not self.running:
+                with self._cond:  # admission waits for blocks to be freed or released
+                    self._cond.wait(timeout=0.05)
+
+    def step(self) -> bool:
+        """Run the posted calls, then one batch; returns whether admission is blocked on KV
+        blocks. Only the scheduler thread calls it (or a test, on a scheduler never started)."""
+        with self._cond:
+            calls = list(self._calls)
+            self._calls.clear()
+        try:
+            for run in calls:
+                run()
+            self._sweep_leases()
+            return self._batch()
+        except Exception:
+            log.exception("scheduler step failed; failing the running sequences")
+            self._fail_all()
+            return False
 
     def _fail_all(self) -> None:
         seqs = [*self.running, *self.waiting]
@@ -199,7 +209,7 @@ class Scheduler:
             except Exception:
                 log.exception("could not fail sequence %d", seq.seq_id)
 
-    def _step(self) -> bool:
+    def _batch(self) -> bool:
         """One batch; returns whether admission is blocked on KV blocks."""
         self._drop_aborted()
         blocked = self._admit()
@@ -227,26 +237,96 @@ class Scheduler:
                 queue.remove(seq)
                 self._finish(seq, "error" if seq.error else "abort", error=seq.error)
 
+    # -- admission --------------------------------------------------------------------------
+    #
+    # Fairness: waiting sequences are admitted in arrival order, and the first one that does
+    # not fit stops admission, so a long prompt is never overtaken for good. The one exception
+    # is a sequence waiting for a prefix block that a running prefill is about to commit: it
+    # keeps its place while the sequences behind it go ahead. That wait is bounded by the
+    # producer's prefill, whose blocks are allocated already; it ends as soon as the block is
+    # committed or the producer leaves `running`.
+
+    def _arrive(self, seq: Sequence) -> None:
+        # Hold the cached prefix on arrival, closest to what the router predicted from KV events.
+        if seq.blocks is None:  # generation_only sequences come with their KV allocated
+            seq.hold = self.bm.hold_prefix(seq.prompt_ids)
+        self.waiting.append(seq)
+
     def _admit(self) -> bool:
-        """Move waiting sequences to running while blocks last; True when blocked."""
-        while self.waiting:
-            seq = self.waiting[0]
+        """Move waiting sequences to running in arrival order; True when blocked on blocks."""
+        self._extend_holds()
+        producing = {h for seq in self.running if seq.blocks for h in seq.blocks.pending_hashes}
+        reserved = sum(self._growth(seq) for seq in self.running)
+        for seq in list(self.waiting):
             if seq.blocks is None:
+                assert seq.hold is not None
+                if seq.hold.next_hash in producing:
+                    continue  # reuse that block once committed rather than compute it twice
                 try:
-                    seq.blocks = self.bm.allocate(seq.prompt_ids)
+                    if not self._allocate(seq, reserved):
+                        return True
                 except OutOfBlocks:
-                    if not self.running and not self.pinned:
-                        # Nothing will free blocks: the prompt can't fit the cache at all.
-                        self.waiting.popleft()
-                        self._finish(seq, "error", error="prompt does not fit in the KV cache")
-                        continue
-                    return True
-                seq.num_cached_tokens = seq.blocks.num_cached_tokens
-                seq.num_computed = seq.num_cached_tokens
-            self.waiting.popleft()
+                    self.waiting.remove(seq)
+                    self._finish(seq, "error", error="prompt does not fit in the KV cache")
+                    continue
+                assert seq.blocks is not None
+                producing.update(seq.blocks.pending_hashes)
+            reserved += self._growth(seq)
+            self.waiting.remove(seq)
             self.running.append(seq)
             if seq.output_ids:  # generation_only: the first tokens came from the context leg
                 self._emit_tokens(seq, seq.output_ids)
+        return False
+
+    def _extend_holds(self) -> None:
+        """Also hold the prefix blocks cached since each prompt arrived (or taken up again
+        after a release under pressure): the count never shrinks while blocks allow."""
+        for seq in self.waiting:
+            if seq.hold is not None:
+                self.bm.extend_hold(seq.hold)
+
+    def _allocate(self, seq: Sequence, reserved: int) -> bool:
+        """Allocate `seq`'s blocks from its hold, keeping `reserved` blocks (and the room `seq`
+        itself may grow into) free or evictable; False when it must wait for blocks. Raises
+        `OutOfBlocks` when the prompt cannot fit even with every hold released."""
+        assert seq.hold is not None
+        size = self.bm.block_size
+        reserve = reserved + self._growth(seq, -(-len(seq.prompt_ids) // size))
+        while True:
+            try:
+                seq.blocks = self.bm.allocate(seq.prompt_ids, held=seq.hold, reserve=reserve)
+                break
+            except OutOfBlocks:
+                if self.running or self.pinned:
+                    return False  # they will free blocks
+                if self._release_newest_hold(spare=seq):
+                    continue
+                if reserve == 0:
+                    raise
+                # Alone, it may start without its reserve: the server refuses a prompt plus
+                # max_tokens that cannot fit, and `_append` still catches an overrun.
+                reserve = 0
+        seq.num_cached_tokens = seq.num_computed = seq.blocks.num_cached_tokens
+        return True
+
+    def _growth(self, seq: Sequence, have: int | None = None) -> int:
+        """Blocks `seq` may still take beyond `have` (its blocks now) to reach its last token.
+        The last sampled token is never fed back, and context_only stops after the first."""
+        if have is None:
+            assert seq.blocks is not None
+            have = len(seq.blocks.block_table)
+        steps = 1 if seq.context_only else max(seq.params.max_tokens, 1)
+        need = -(-(len(seq.prompt_ids) + steps - 1) // self.bm.block_size)
+        return max(0, need - have)
+
+    def _release_newest_hold(self, spare: Sequence | None = None) -> bool:
+        """Under block pressure, drop the prefix hold of the newest waiting sequence (but
+        `spare`) that holds any block; False when none does."""
+        for seq in reversed(self.waiting):
+            if seq is not spare and seq.hold is not None and seq.hold.block_table:
+                log.debug("KV blocks are short: sequence %d's prefix is no longer held", seq.seq_id)
+                self.bm.release(seq.hold)
+                return True
         return False
 
     def _next_item(self, seq: Sequence, budget: int) -> ForwardItem | None:
@@ -259,13 +339,22 @@ class Scheduler:
             ids = np.asarray(seq.prompt_ids[seq.num_computed : end], dtype=np.int64)
             return ForwardItem(ids, seq.num_computed, seq.blocks.block_table)
         last = seq.output_ids[-1]
-        try:
-            self.bm.append(seq.blocks, last)
-        except OutOfBlocks:
+        if not self._append(seq.blocks, last):
+            # Last resort: admission reserves room for every running sequence to finish.
             seq.aborted, seq.error = True, "the KV cache is full; the sequence cannot grow"
             return None
         pos = seq.blocks.num_tokens - 1
         return ForwardItem(np.asarray([last], dtype=np.int64), pos, seq.blocks.block_table)
+
+    def _append(self, blocks: SeqBlocks, token: int) -> bool:
+        """Room for one more token; waiting sequences' prefix holds give way first."""
+        while True:
+            try:
+                self.bm.append(blocks, token)
+                return True
+            except OutOfBlocks:
+                if not self._release_newest_hold():
+                    return False
 
     def _advance(self, seq: Sequence, item: ForwardItem, logits: np.ndarray) -> None:
         assert seq.blocks is not None
@@ -309,6 +398,8 @@ class Scheduler:
         tokens: list[int] | None = None,
         error: str | None = None,
     ) -> None:
+        if seq.hold is not None:
+            self.bm.release(seq.hold)  # empty unless it ends while waiting
         if seq.blocks is not None:
             if reason == "not_finished":
                 self.pinned[seq.seq_id] = (seq.blocks, time.monotonic() + self.lease_s)

@@ -205,15 +205,17 @@ class Worker:
         since = _int_field(data, "since", 0)
         same = data.get("instance") == self.instance
 
-        def read() -> dict[str, Any]:
+        def snapshot() -> dict[str, Any]:  # on the scheduler thread: the cache holds still
             bm = self.blocks
-            last = bm.last_event_id
-            if same and bm.has_events_since(since):
-                return {"reset": False, "events": bm.events_since(since), "last_event_id": last}
-            snapshot = [{"type": "cleared"}, {"type": "stored", "block_hashes": bm.cached_hashes()}]
-            return {"reset": True, "events": snapshot, "last_event_id": last}
+            events = [{"type": "cleared"}, {"type": "stored", "block_hashes": bm.cached_hashes()}]
+            return {"reset": True, "events": events, "last_event_id": bm.last_event_id}
 
-        body = await self.scheduler.call(read)
+        # A cursor's events are read at once, not after the scheduler's running step.
+        read = self.blocks.read_events(since) if same else None
+        if read is not None:
+            body = {"reset": False, "events": read[0], "last_event_id": read[1]}
+        else:
+            body = await self.scheduler.call(snapshot)
         return json_response(
             {"instance": self.instance, "block_size": self.blocks.block_size, **body}
         )
