@@ -133,7 +133,7 @@ def assert_no_leaks(cluster: Cluster, timeout_s: float = 5.0) -> None:
         in_flight = [w["in_flight"] for w in workers]
         pinned = [s["pinned"] for s in stats]
         used = [s["kv"]["used"] for s in stats]
-        running = [s["running"] + s["waiting"] for s in stats]
+        running = [s["running"] + s["waiting"] + s["handoffs"] for s in stats]
         if not any(in_flight + pinned + used + running):
             return
         if time.monotonic() > deadline:

@@ -260,6 +260,11 @@ BAD: list[tuple[str, Any, str]] = [
     ("string timeout", _with(worker_startup_timeout="60"), "worker_startup_timeout: expected"),
     ("bad log level", _with(log_level="loud"), "log_level: expected one of debug"),
     ("bad schedule", _with(schedule_style="gen_first"), "schedule_style: expected one of"),
+    (
+        "bad transfer",
+        _with(generation_first_transfer="mail"),
+        "generation_first_transfer: expected one of push, pull",
+    ),
     ("not a mapping", ["context_servers"], "expected a mapping at the top level, got list"),
     ("empty file", None, "the config file is empty"),
     ("pool not a mapping", _with(context_servers=["h:1"]), "context_servers: expected a mapping"),
@@ -325,6 +330,14 @@ def test_static_config_validates() -> None:
         static_config([], ["localhost:8002"])
     with pytest.raises(ConfigError, match="request_timout: unknown key"):
         static_config(["a:1"], ["b:2"], request_timout=5)
+
+
+def test_generation_first_keys() -> None:
+    cfg = parse_config(MINIMAL)
+    assert (cfg.schedule_style, cfg.generation_first_transfer) == ("context_first", "push")
+    cfg = parse_config(_with(schedule_style="generation_first", generation_first_transfer="pull"))
+    assert (cfg.schedule_style, cfg.generation_first_transfer) == ("generation_first", "pull")
+    assert parse_config(config_to_dict(cfg)) == cfg
 
 
 def test_fault_handling_keys() -> None:

@@ -40,6 +40,7 @@ ROUTER_TYPES = (
     "conversation",
 )
 SCHEDULE_STYLES = ("context_first", "generation_first")
+GENERATION_FIRST_TRANSFERS = ("push", "pull")  # who moves the KV in generation_first
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 _SECTIONS = {"context": "context_servers", "generation": "generation_servers"}
@@ -190,6 +191,7 @@ _OWN_KEYS = frozenset(
         "max_queued_requests",
         "queue_timeout",
         "kv_events_interval",
+        "generation_first_transfer",
     }
 )
 _TOP_KEYS = _TRTLLM_KEYS | _TRTLLM_IGNORED | _WORKER_KEYS | _OWN_KEYS
@@ -233,6 +235,9 @@ class ClusterConfig:
     max_retries: int = 1
     conditional_disagg: ConditionalDisaggConfig | None = None
     schedule_style: str = "context_first"
+    # generation_first: the context worker pushes the KV to the waiting generation worker, or
+    # the orchestrator tells that worker where to pull it (push falls back to pull by itself).
+    generation_first_transfer: str = "push"
     perf_metrics_max_requests: int = 0
     worker_startup_timeout: float = 60.0
     health_check_interval: float = 2.0
@@ -564,6 +569,12 @@ def _own_fields(top: Mapping[str, Any]) -> dict[str, Any]:
         fields["on_prefill_failure"] = _choice(
             top["on_prefill_failure"], "on_prefill_failure", PREFILL_FAILURE_POLICIES
         )
+    if "generation_first_transfer" in top:
+        fields["generation_first_transfer"] = _choice(
+            top["generation_first_transfer"],
+            "generation_first_transfer",
+            GENERATION_FIRST_TRANSFERS,
+        )
     if "on_generation_failure" in top:
         fields["on_generation_failure"] = _choice(
             top["on_generation_failure"], "on_generation_failure", GENERATION_FAILURE_POLICIES
@@ -678,6 +689,7 @@ def config_to_dict(cfg: ClusterConfig) -> dict[str, Any]:
         "retry_interval": cfg.retry_interval,
         "disable_retries": cfg.disable_retries,
         "on_generation_failure": cfg.on_generation_failure,
+        "generation_first_transfer": cfg.generation_first_transfer,
         "breaker_failures": cfg.breaker_failures,
         "breaker_cooldown": cfg.breaker_cooldown,
         "drain_timeout": cfg.drain_timeout,

@@ -45,12 +45,28 @@ class Endpoint:
     max_tokens_keys: ClassVar[tuple[str, ...]] = ("max_tokens",)
     prompt_key: ClassVar[str] = "prompt"
 
-    def context_request(self, body: dict[str, Any], disagg_id: int) -> dict[str, Any]:
+    def context_request(
+        self, body: dict[str, Any], disagg_id: int, push: tuple[str, int] | None = None
+    ) -> dict[str, Any]:
+        """`push`: generation_first's waiting generation worker and its slot id, where the
+        context worker sends the KV itself."""
         req = {k: v for k, v in body.items() if k != "stream_options"}
         req["stream"] = False
+        params: dict[str, Any] = {"request_type": "context_only", "disagg_request_id": disagg_id}
+        if push is not None:
+            params["schedule_style"] = "generation_first"
+            params["gen_info_endpoint"], params["gen_request_id"] = push
+        req["disaggregated_params"] = params
+        return req
+
+    def generation_first_request(self, body: dict[str, Any], slot: int) -> dict[str, Any]:
+        """A generation leg sent before its context leg is done: the client's request, to
+        wait on the worker under `slot` for its KV and first tokens."""
+        req = dict(body)
         req["disaggregated_params"] = {
-            "request_type": "context_only",
-            "disagg_request_id": disagg_id,
+            "request_type": "generation_only",
+            "schedule_style": "generation_first",
+            "disagg_request_id": slot,
         }
         return req
 
@@ -178,8 +194,10 @@ class Responses(Endpoint):
     max_tokens_keys = ("max_output_tokens",)
     prompt_key = "input"
 
-    def context_request(self, body: dict[str, Any], disagg_id: int) -> dict[str, Any]:
-        req = super().context_request(body, disagg_id)
+    def context_request(
+        self, body: dict[str, Any], disagg_id: int, push: tuple[str, int] | None = None
+    ) -> dict[str, Any]:
+        req = super().context_request(body, disagg_id, push)
         req.pop("stream_options", None)
         return req
 

@@ -3,6 +3,12 @@
 The orchestrator owns the request: it asks the policies for workers, sends each leg through
 upstream, and finishes every reservation exactly once on success, error and cancellation.
 It never formats HTTP responses (the server does) and never picks workers itself.
+
+With `schedule_style: generation_first` the generation worker is chosen first (by its cache)
+and its leg sent at once; it allocates its blocks and waits while the context leg runs. The
+context worker pushes the KV there (or, pulling, the orchestrator tells the waiting leg where
+the KV is). Anything that fails before the waiting leg holds the KV falls back to the
+context-first generation leg, the handoff that the rest of this module knows how to retry.
 """
 
 from __future__ import annotations
@@ -115,12 +121,15 @@ class Orchestrator:
         retry: RetryPolicy | None = None,
         deadlines: Deadlines | None = None,
         cache: CacheAwareRouting | None = None,
+        generation_first: str | None = None,
     ) -> None:
+        """`generation_first`: None (context first), or how its KV moves: "push" or "pull"."""
         self.context_policy, self.generation_policy = context_policy, generation_policy
         self.client = client
         self.retry = retry or RetryPolicy()
         self.deadlines = deadlines or Deadlines()
         self.cache = cache
+        self.generation_first = generation_first
         # Random high bits keep ids apart across restarts and replicas; the low 32 bits count.
         self._ids = itertools.count((secrets.randbits(31) << 32) + 1)
 
@@ -168,16 +177,48 @@ class Orchestrator:
     async def _legs(
         self, job: Job, request: RouteRequest, route: Route, budget: RetryBudget
     ) -> Result:
-        endpoint, body, stream = job.endpoint, job.body, job.stream
         local = self.cache.local_prefill(job.prompt_ids, job.model) if self.cache else None
         if local is not None:
             # Conditional disaggregation: a generation worker holds nearly all the prompt, so
             # it prefills the rest itself (the policy places it by those hashes).
             request = replace(request, block_hashes=local)
-            return await self._generation_attempt(endpoint, body, request, route, None, stream)
+            return await self._generation_attempt(job, request, route, None)
+        early = self._early_generation(job, request, route) if self.generation_first else None
+        try:
+            outcome = await self._context_phase(job, request, route, budget, early)
+            if isinstance(outcome, Result):  # prefilled on a generation worker instead
+                return outcome
+            ctx_resp, ctx = outcome
+            if ctx.finished:
+                if job.stream:
+                    chunks = job.endpoint.finished_stream(ctx_resp, ctx, job.include_usage)
+                    return Result(route, chunks=_iterate(chunks))
+                return Result(route, body=job.endpoint.clean(ctx_resp, None))
+            if early is not None:
+                joined = await self._join_early(job, route, ctx, early)
+                if joined is not None:
+                    early = None
+                    return joined
+                request, early = request.avoiding(early.url), None
+        finally:
+            if early is not None:
+                await early.cancel()
+        return await self._generation_leg(job, request, route, ctx, budget)
+
+    async def _context_phase(
+        self,
+        job: Job,
+        request: RouteRequest,
+        route: Route,
+        budget: RetryBudget,
+        early: _EarlyGeneration | None,
+    ) -> tuple[dict[str, Any], ContextOutcome] | Result:
+        """The context leg with the request's prefill failure policy: its answer, or the
+        whole request's Result when it fell back to prefilling on a generation worker."""
+        push = early.target if early is not None and self.generation_first == "push" else None
         try:
             ctx_budget = RetryPolicy.off().budget() if job.on_prefill_failure == "fail" else budget
-            ctx_resp, ctx = await self._context_leg(endpoint, body, request, route, ctx_budget)
+            return await self._context_leg(job.endpoint, job.body, request, route, ctx_budget, push)
         except DisaggError as exc:
             if job.on_prefill_failure == "retry" or not _worker_fault(exc):
                 raise
@@ -186,14 +227,10 @@ class Orchestrator:
                     f"the context leg failed and this request does not fall back: {exc.message}"
                 ) from None
             log.info("context leg failed (%s); prefilling on a generation worker", exc.message)
-            route.context, route.context_worker = None, None
-            return await self._generation_attempt(endpoint, body, request, route, None, stream)
-        if ctx.finished:
-            if stream:
-                chunks = endpoint.finished_stream(ctx_resp, ctx, job.include_usage)
-                return Result(route, chunks=_iterate(chunks))
-            return Result(route, body=endpoint.clean(ctx_resp, None))
-        return await self._generation_leg(job, request, route, ctx, budget)
+        if early is not None:
+            await early.cancel()
+        route.context, route.context_worker = None, None
+        return await self._generation_attempt(job, request, route, None)
 
     async def _pause(self, exc: DisaggError, route: Route) -> None:
         log.info("retrying after %s: %s", type(exc).__name__, exc.message)
@@ -206,10 +243,11 @@ class Orchestrator:
         request: RouteRequest,
         route: Route,
         budget: RetryBudget,
+        push: tuple[str, int] | None = None,
     ) -> tuple[dict[str, Any], ContextOutcome]:
         while True:
             try:
-                return await self._context_attempt(endpoint, body, request, route)
+                return await self._context_attempt(endpoint, body, request, route, push)
             except DisaggError as exc:
                 if not budget.spend(exc):
                     raise
@@ -217,7 +255,12 @@ class Orchestrator:
                 await self._pause(exc, route)
 
     async def _context_attempt(
-        self, endpoint: Endpoint, body: dict[str, Any], request: RouteRequest, route: Route
+        self,
+        endpoint: Endpoint,
+        body: dict[str, Any],
+        request: RouteRequest,
+        route: Route,
+        push: tuple[str, int] | None,
     ) -> tuple[dict[str, Any], ContextOutcome]:
         reservation = Reservation(self.context_policy, request)
         route.context = reservation.worker.url
@@ -228,7 +271,7 @@ class Orchestrator:
             )
             self.cache.expect(route.context, request.block_hashes)
         try:
-            payload = endpoint.context_request(body, self.next_id())
+            payload = endpoint.context_request(body, self.next_id(), push)
             resp = await self.client.post(
                 reservation.worker.url, endpoint.path, payload, route.left(self.deadlines.context_s)
             )
@@ -255,7 +298,8 @@ class Orchestrator:
                 f"context worker {route.context} sent a malformed answer"
             ) from None
         if not ctx.finished and not (
-            ctx.prompt_token_ids and ctx.params.get("encoded_opaque_state")
+            ctx.prompt_token_ids
+            and (ctx.params.get("encoded_opaque_state") or ctx.params.get("kv_pushed"))
         ):
             self._release_context_kv(route, ctx)
             raise WorkerUnavailable(
@@ -281,9 +325,7 @@ class Orchestrator:
         )
         while True:
             try:
-                return await self._generation_attempt(
-                    job.endpoint, job.body, request, route, ctx, job.stream
-                )
+                return await self._generation_attempt(job, request, route, ctx)
             except DisaggError as exc:
                 if job.on_generation_failure == "fail" and _worker_fault(exc):
                     self._release_context_kv(route, ctx)
@@ -308,37 +350,49 @@ class Orchestrator:
                 raise
 
     async def _generation_attempt(
-        self,
-        endpoint: Endpoint,
-        body: dict[str, Any],
-        request: RouteRequest,
-        route: Route,
-        ctx: ContextOutcome | None,
-        stream: bool,
+        self, job: Job, request: RouteRequest, route: Route, ctx: ContextOutcome | None
     ) -> Result:
         """One generation-pool attempt: the generation leg of `ctx`, or without a context leg
         (None) the whole request, aggregated, on a generation worker."""
+        reservation = self._place_generation(request, route)
+        payload = (
+            job.body
+            if ctx is None
+            else job.endpoint.generation_request(job.body, ctx, self.next_id())
+        )
+        opened = await self._open_generation(
+            job, payload, reservation, route, self.deadlines.first_token_s
+        )
+        return self._generation_result(job, route, reservation, opened, ctx)
+
+    def _place_generation(self, request: RouteRequest, route: Route) -> Reservation:
         reservation = Reservation(self.generation_policy, request)
-        url = route.generation = reservation.worker.url
+        route.generation = reservation.worker.url
         if self.cache is not None:
-            self.cache.expect(url, request.block_hashes)
+            self.cache.expect(route.generation, request.block_hashes)
+        return reservation
+
+    async def _open_generation(
+        self,
+        job: Job,
+        payload: dict[str, Any],
+        reservation: Reservation,
+        route: Route,
+        first_byte_s: float,
+    ) -> dict[str, Any] | UpstreamStream:
+        """Send a generation leg: its whole answer (the reservation is finished then), or
+        its stream once the worker accepted it, which it does only once it holds the KV."""
+        url, path = reservation.worker.url, job.endpoint.path
+        opened: dict[str, Any] | UpstreamStream
         try:
-            if ctx is None:
-                payload = body
+            if job.stream:
+                opened = await self.client.open_stream(url, path, payload, route.left(first_byte_s))
             else:
-                payload = endpoint.generation_request(body, ctx, self.next_id())
-            if stream:
-                upstream = await self.client.open_stream(
-                    url, endpoint.path, payload, route.left(self.deadlines.first_token_s)
-                )
-            else:
-                resp = await self.client.post(
-                    url, endpoint.path, payload, route.left(self.deadlines.request_s)
+                opened = await self.client.post(
+                    url, path, payload, route.left(self.deadlines.request_s)
                 )
                 reservation.judge(True)
                 reservation.finish(True)
-                _judge_context(route, True)
-                return Result(route, body=endpoint.clean(resp, ctx))
         except BaseException as exc:
             if _kv_transfer_failed(exc):
                 _judge_context(route, False)
@@ -346,15 +400,84 @@ class Orchestrator:
                 _judge(reservation, exc)
             reservation.finish(False)
             raise
-        _judge_context(route, True)  # the worker answers 200 only once it holds the KV
+        _judge_context(route, True)
+        return opened
+
+    def _generation_result(
+        self,
+        job: Job,
+        route: Route,
+        reservation: Reservation,
+        opened: dict[str, Any] | UpstreamStream,
+        ctx: ContextOutcome | None,
+    ) -> Result:
+        if isinstance(opened, dict):
+            return Result(route, body=job.endpoint.clean(opened, ctx))
         relay = _Relay(
-            upstream,
+            opened,
             reservation,
             lambda: self._release_context_kv(route, ctx),
             self.deadlines.stream_idle_s,
             route.deadline,
         )
         return Result(route, chunks=relay.chunks(), close=relay.close)
+
+    # -- generation_first ------------------------------------------------------------------
+
+    def _early_generation(self, job: Job, request: RouteRequest, route: Route) -> _EarlyGeneration:
+        """Place the generation leg first, by the generation pool's view of the prompt, and
+        send it now: it waits on its worker for the KV under a slot id of its own."""
+        hashes = self.cache.hashes("generation", job.prompt_ids) if self.cache else ()
+        reservation = self._place_generation(replace(request, block_hashes=hashes), route)
+        slot = self.next_id()
+        payload = job.endpoint.generation_first_request(job.body, slot)
+        # it answers only once the context leg is done and the KV arrived
+        limit = self.deadlines.context_s + self.deadlines.first_token_s
+        opening = self._open_generation(job, payload, reservation, route, limit)
+        return _EarlyGeneration(reservation, slot, asyncio.create_task(opening))
+
+    async def _join_early(
+        self, job: Job, route: Route, ctx: ContextOutcome, early: _EarlyGeneration
+    ) -> Result | None:
+        """The context leg is done: get its KV to the waiting leg (pushed already, or by
+        naming where it is) and relay that leg. None when the handoff did not take: the
+        waiting leg is cancelled and the KV is still pinned for a context-first handoff."""
+        if not ctx.params.get("kv_pushed") and not await self._hand_off(route, ctx, early):
+            await early.cancel()
+            return None
+        try:
+            opened = await early.task
+        except DisaggError as exc:
+            # That worker holds the KV now and the context copy is gone: only a new context
+            # leg can cure this.
+            if job.on_generation_failure == "fail" and _worker_fault(exc):
+                raise ServiceUnavailable(
+                    f"the generation leg failed and this request does not fall back: {exc.message}"
+                ) from None
+            if retryable(exc):
+                raise _Replan(exc, early.url) from None
+            raise
+        return self._generation_result(job, route, early.reservation, opened, ctx)
+
+    async def _hand_off(self, route: Route, ctx: ContextOutcome, early: _EarlyGeneration) -> bool:
+        """Pull variant: tell the waiting leg where its KV is; True once it stored it."""
+        if early.task.done():  # the waiting leg failed already
+            return False
+        body = {
+            "disagg_request_id": early.slot,
+            "first_gen_tokens": ctx.params.get("first_gen_tokens"),
+            "prompt_token_ids": ctx.prompt_token_ids,
+            "encoded_opaque_state": ctx.params.get("encoded_opaque_state"),
+            "ctx_usage": ctx.usage,
+        }
+        try:
+            await self.client.post(
+                early.url, "/kv/handoff", body, route.left(self.deadlines.first_token_s)
+            )
+        except DisaggError as exc:
+            log.info("generation_first handoff to %s failed: %s", early.url, exc.message)
+            return False
+        return True
 
     def _release_context_kv(self, route: Route, ctx: ContextOutcome | None) -> None:
         """The generation leg failed: free the context worker's pinned KV now, not at lease
@@ -388,6 +511,36 @@ def _worker_fault(exc: DisaggError) -> bool:
     return retryable(exc) or (
         isinstance(exc, ServiceUnavailable) and not isinstance(exc, UpstreamError)
     )
+
+
+class _EarlyGeneration:
+    """A generation_first leg sent before its context leg is done: the task that opens it."""
+
+    def __init__(
+        self,
+        reservation: Reservation,
+        slot: int,
+        task: asyncio.Task[dict[str, Any] | UpstreamStream],
+    ) -> None:
+        self.reservation, self.slot, self.task = reservation, slot, task
+        self.url = reservation.worker.url
+
+    @property
+    def target(self) -> tuple[str, int]:
+        """Where the context worker pushes the KV: this worker, for this slot."""
+        return self.url, self.slot
+
+    async def cancel(self) -> None:
+        """Stop waiting: the worker sees the leg's connection close and frees its blocks."""
+        self.task.cancel()
+        await asyncio.wait([self.task])
+        if self.task.cancelled():
+            return
+        if self.task.exception() is None:  # it got through after all: nobody relays it
+            opened = self.task.result()
+            if isinstance(opened, UpstreamStream):
+                opened.close()
+            self.reservation.finish(False)
 
 
 class _Replan(Exception):

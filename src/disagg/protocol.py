@@ -39,6 +39,11 @@ class DisaggregatedParams(msgspec.Struct, omit_defaults=True):
     ctx_dp_rank: int | None = None
     ctx_info_endpoint: str | None = None
     schedule_style: str | None = None
+    # generation_first: where the context worker pushes the KV (the waiting generation worker
+    # and that leg's disagg_request_id); its answer says `kv_pushed` when it did
+    gen_info_endpoint: str | None = None
+    gen_request_id: int | None = None
+    kv_pushed: bool | None = None
     conversation_id: str | None = None
     ctx_usage: dict[str, Any] | None = None
 

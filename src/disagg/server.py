@@ -78,6 +78,9 @@ class Frontend:
                 config.request_timeout,
             ),
             self.cache if self.cache.pools else None,
+            config.generation_first_transfer
+            if config.schedule_style == "generation_first"
+            else None,
         )
         self.admission = Admission(
             config.max_concurrent_requests, config.max_queued_requests, config.queue_timeout

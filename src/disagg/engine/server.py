@@ -1,5 +1,6 @@
 """The reference worker's HTTP API: OpenAI endpoints, context_only / generation_only legs,
-the KV fetch endpoint, health and stats, and a drain that finishes its legs on SIGTERM.
+the KV endpoints (fetch, release; and for generation_first the push and the pull handoff),
+health and stats, and a drain that finishes its legs on SIGTERM.
 
 Handlers parse and answer; the scheduler thread does all model and KV-cache work.
 """
@@ -7,16 +8,19 @@ Handlers parse and answer; the scheduler thread does all model and KV-cache work
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import uuid
 from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
+import msgspec
 import numpy as np
 from aiohttp import web
 
 from disagg import __version__
+from disagg.engine.handoff import Handoff, Handoffs
 from disagg.engine.kv_cache import BlockManager, OutOfBlocks, SeqBlocks
 from disagg.engine.model import Model
 from disagg.engine.requests import Job, build_job
@@ -81,6 +85,11 @@ class Worker:
             lease_s=settings.kv_lease_s,
         )
         self._session: aiohttp.ClientSession | None = None
+        self.handoffs = Handoffs()  # generation_first legs waiting for their KV
+        # KV moves by kind: fetches served, pushes sent and refused, handoffs taken
+        self.transfers = dict.fromkeys(
+            ("fetch_served", "pushed", "push_refused", "push_received", "handoff_received"), 0
+        )
         self.instance = uuid.uuid4().hex  # tells a restarted worker from the one before
         self.draining = False
         self.keeps_listening = True  # while draining, generation workers still pull KV
@@ -122,6 +131,8 @@ class Worker:
                 web.get("/stats", self.stats),
                 web.post("/kv/fetch", self.kv_fetch),
                 web.post("/kv/release", self.kv_release),
+                web.post("/kv/push", self.kv_push),
+                web.post("/kv/handoff", self.kv_handoff),
                 web.post("/kv_cache_events", self.kv_cache_events),
             ]
         )
@@ -171,8 +182,10 @@ class Worker:
         )
 
     async def stats(self, _request: web.Request) -> web.Response:
+        stats = await self.scheduler.call(self.scheduler.stats)
+        waiting = len(self.handoffs)
         return json_response(
-            {"role": self.settings.role, **await self.scheduler.call(self.scheduler.stats)}
+            {"role": self.settings.role, **stats, "transfers": self.transfers, "handoffs": waiting}
         )
 
     async def kv_fetch(self, request: web.Request) -> web.Response:
@@ -186,6 +199,7 @@ class Worker:
             raise NotFound(
                 f"no pinned KV for ctx_request_id {rid} (unknown, fetched or expired)"
             ) from None
+        self.transfers["fetch_served"] += 1
         return web.Response(
             body=KVPayload(arr, num_tokens).to_bytes(), content_type="application/octet-stream"
         )
@@ -272,14 +286,7 @@ class Worker:
             # OpenAI seeds are any integer; numpy wants a non-negative one.
             seq.rng = np.random.default_rng(job.params.seed % 2**64)
         if rtype == "generation_only":
-            first = job.disagg.first_gen_tokens
-            if not first or any(not 0 <= t < self.model.config.vocab_size for t in first):
-                raise InvalidRequest(
-                    "generation_only needs valid first_gen_tokens", param="disaggregated_params"
-                )
-            seq.blocks = await self._receive_kv(job)
-            seq.output_ids = list(first)
-            seq.num_computed = seq.num_cached_tokens = len(job.prompt_ids)
+            job = await self._generation_start(job, seq)
         finished = False
         self.scheduler.submit(seq)
         try:
@@ -287,10 +294,38 @@ class Worker:
                 return await self._stream(request, job, seq, queue)
             text, reason = await self._collect(queue)
             finished = True
-            return json_response(self._answer(job, seq, text, reason))
+            pushed = seq.context_only and reason == "not_finished" and await self._push(job, seq)
+            return json_response(self._answer(job, seq, text, reason, pushed))
         finally:
             if not finished:
                 self.scheduler.abort(seq)
+
+    async def _generation_start(self, job: Job, seq: Sequence) -> Job:
+        """Get a generation_only leg's KV and first tokens into `seq`: pulled from the context
+        worker its params name, or (generation_first) from the handoff it waits for."""
+        if job.disagg.schedule_style == "generation_first" and not job.disagg.encoded_opaque_state:
+            seq.blocks, handoff = await self._await_handoff(job)
+            first = handoff.first_gen_tokens
+            disagg = msgspec.structs.replace(job.disagg, ctx_usage=handoff.ctx_usage)
+            job = dataclasses.replace(job, disagg=disagg)
+        else:
+            first = self._first_tokens(job.disagg.first_gen_tokens)
+            seq.blocks = await self._receive_kv(job)
+        seq.output_ids = list(first)
+        seq.num_computed = seq.num_cached_tokens = len(job.prompt_ids)
+        return job
+
+    def _first_tokens(self, first: Any) -> list[int]:
+        vocab = self.model.config.vocab_size
+        if (
+            not isinstance(first, list)
+            or not first
+            or any(not isinstance(t, int) or not 0 <= t < vocab for t in first)
+        ):
+            raise InvalidRequest(
+                "generation_only needs valid first_gen_tokens", param="disaggregated_params"
+            )
+        return first
 
     def _check_capacity(self, job: Job) -> None:
         size = self.blocks.block_size
@@ -324,7 +359,9 @@ class Worker:
             )
         return usage(len(job.prompt_ids), len(seq.output_ids), seq.num_cached_tokens)
 
-    def _answer(self, job: Job, seq: Sequence, text: str, reason: str) -> dict[str, Any]:
+    def _answer(
+        self, job: Job, seq: Sequence, text: str, reason: str, pushed: bool = False
+    ) -> dict[str, Any]:
         body = job.shape.response(text, reason, self._usage(job, seq))
         if not seq.context_only:
             return body
@@ -334,7 +371,9 @@ class Worker:
             "draft_tokens": None,
             "disagg_request_id": job.disagg.disagg_request_id,
         }
-        if reason == "not_finished":
+        if pushed:
+            params["kv_pushed"] = True  # the generation worker holds the KV; nothing is pinned
+        elif reason == "not_finished":
             params["ctx_request_id"] = seq.seq_id
             params["encoded_opaque_state"] = self._opaque_state(seq).encode()
         if "choices" in body:
@@ -345,11 +384,14 @@ class Worker:
         return body
 
     def _opaque_state(self, seq: Sequence) -> OpaqueState:
+        return self._layout_state(seq.seq_id, len(seq.prompt_ids))
+
+    def _layout_state(self, ctx_request_id: int, num_tokens: int) -> OpaqueState:
         cfg = self.model.config
         return OpaqueState(
             self.settings.advertise_url,
-            seq.seq_id,
-            len(seq.prompt_ids),
+            ctx_request_id,
+            num_tokens,
             self.blocks.block_size,
             cfg.dtype,
             (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim),
@@ -404,31 +446,37 @@ class Worker:
 
     async def _receive_kv(self, job: Job) -> SeqBlocks:
         state = self._check_state(job)
-        try:
-            blocks = await self.scheduler.call(
-                lambda: self.blocks.allocate(job.prompt_ids), undo=self.blocks.free
-            )
-        except OutOfBlocks:
-            raise ServiceUnavailable("generation worker is out of KV blocks") from None
+        blocks = await self._allocate(job)
         try:
             start = blocks.num_cached_tokens // self.blocks.block_size
-            payload = await self._fetch(state, start)
-            table = blocks.block_table[start:]
-            if payload.data.shape[2] != len(table) or payload.num_tokens != len(job.prompt_ids):
-                raise WorkerUnavailable(
-                    "KV transfer returned the wrong number of blocks/tokens",
-                    code=KV_TRANSFER_FAILED,
-                )
-
-            def store() -> None:
-                self.blocks.write_blocks(table, payload.data)
-                self.blocks.commit(blocks, len(job.prompt_ids))
-
-            await self.scheduler.call(store)
+            await self._write(job, blocks, start, await self._fetch(state, start))
             return blocks
         except BaseException:
             await asyncio.shield(self.scheduler.call(lambda: self.blocks.free(blocks)))
             raise
+
+    async def _allocate(self, job: Job) -> SeqBlocks:
+        """Blocks for a generation leg's prompt; its cached prefix needs no transfer."""
+        try:
+            return await self.scheduler.call(
+                lambda: self.blocks.allocate(job.prompt_ids), undo=self.blocks.free
+            )
+        except OutOfBlocks:
+            raise ServiceUnavailable("generation worker is out of KV blocks") from None
+
+    async def _write(self, job: Job, blocks: SeqBlocks, start: int, payload: KVPayload) -> None:
+        """Store the transferred KV of the blocks from `start` on (the rest was cached)."""
+        table = blocks.block_table[start:]
+        if payload.data.shape[2] != len(table) or payload.num_tokens != len(job.prompt_ids):
+            raise WorkerUnavailable(
+                "KV transfer returned the wrong number of blocks/tokens", code=KV_TRANSFER_FAILED
+            )
+
+        def store() -> None:
+            self.blocks.write_blocks(table, payload.data)
+            self.blocks.commit(blocks, len(job.prompt_ids))
+
+        await self.scheduler.call(store)
 
     def _check_state(self, job: Job) -> OpaqueState:
         if not job.disagg.encoded_opaque_state:
@@ -439,9 +487,15 @@ class Worker:
             state = OpaqueState.decode(job.disagg.encoded_opaque_state)
         except TransferError as exc:
             raise InvalidRequest(str(exc), param="disaggregated_params") from None
-        cfg = self.model.config
-        mine = (self.blocks.block_size, cfg.dtype, (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim))
-        if (state.block_size, state.dtype, tuple(state.layout)) != mine:
+        return self._check_layout(state, job)
+
+    def _check_layout(self, state: OpaqueState, job: Job) -> OpaqueState:
+        mine = self._layout_state(0, 0)
+        if (state.block_size, state.dtype, tuple(state.layout)) != (
+            mine.block_size,
+            mine.dtype,
+            mine.layout,
+        ):
             raise InvalidRequest(
                 "the context worker's KV layout does not match this worker's",
                 param="disaggregated_params",
@@ -473,6 +527,161 @@ class Worker:
             raise WorkerUnavailable(
                 f"bad KV payload from the context worker: {exc}", code=KV_TRANSFER_FAILED
             ) from None
+
+    # -- generation_first --------------------------------------------------------------------
+
+    async def _await_handoff(self, job: Job) -> tuple[SeqBlocks, Handoff]:
+        """A generation_first leg: allocate its blocks now (its cached prefix is then safe),
+        wait up to the KV lease for its handoff, and store the KV it brings or names."""
+        rid = job.disagg.disagg_request_id
+        if not isinstance(rid, int):
+            raise InvalidRequest(
+                "a generation_first leg needs an integer disagg_request_id",
+                param="disaggregated_params",
+            )
+        waiting = self.handoffs.open(rid)
+        try:
+            blocks = await self._allocate(job)
+            try:
+                try:
+                    async with asyncio.timeout(self.settings.kv_lease_s):
+                        handoff = await waiting
+                except TimeoutError:
+                    raise ServiceUnavailable(
+                        f"no context leg handed its KV over within {self.settings.kv_lease_s:g} s"
+                    ) from None
+                await self._store_handoff(job, blocks, handoff)
+                return blocks, handoff
+            except BaseException:
+                await asyncio.shield(self.scheduler.call(lambda: self.blocks.free(blocks)))
+                raise
+        finally:
+            self.handoffs.close(rid)
+
+    async def _store_handoff(self, job: Job, blocks: SeqBlocks, handoff: Handoff) -> None:
+        """Store the handoff's KV past this worker's cached prefix (pushed: from the payload;
+        else pulled from where its state says); tell the one who handed off how it went."""
+        try:
+            if handoff.prompt_token_ids != job.prompt_ids:
+                raise InvalidRequest(
+                    "the context leg computed another prompt than this generation leg's",
+                    param="prompt",
+                )
+            start = blocks.num_cached_tokens // self.blocks.block_size
+            if handoff.payload is not None:
+                pushed = handoff.payload
+                payload = KVPayload(pushed.data[:, :, start:], pushed.num_tokens)
+            else:
+                assert handoff.state is not None
+                payload = await self._fetch(self._check_layout(handoff.state, job), start)
+            await self._write(job, blocks, start, payload)
+        except BaseException as exc:
+            if not handoff.stored.done():
+                handoff.stored.set_exception(
+                    exc
+                    if isinstance(exc, Exception)
+                    else ServiceUnavailable("the generation leg ended before it stored the KV")
+                )
+                handoff.stored.exception()  # retrieved: its deliverer may have stopped waiting
+            raise
+        handoff.stored.set_result(None)
+
+    async def _push(self, job: Job, seq: Sequence) -> bool:
+        """generation_first, push variant: send the pinned KV (and the first tokens) to the
+        generation worker whose leg waits for it, and free it once that worker stored it.
+        False, with the KV still pinned for a pull, when there is no target or it refused."""
+        target, rid = job.disagg.gen_info_endpoint, job.disagg.gen_request_id
+        if not target or rid is None:
+            return False
+        assert self._session is not None
+        sid = seq.seq_id
+
+        def read() -> KVPayload | None:
+            entry = self.scheduler.pinned.get(sid)
+            if entry is None:
+                return None
+            blocks = entry[0]
+            return KVPayload(self.blocks.read_blocks(blocks.block_table), len(blocks.token_ids))
+
+        try:
+            kv = await self.scheduler.call(read)
+            if kv is None:
+                return False
+            meta = {
+                "disagg_request_id": rid,
+                "first_gen_tokens": seq.output_ids,
+                "prompt_token_ids": job.prompt_ids,
+                "ctx_usage": self._usage(job, seq),
+            }
+            body = KVPayload(kv.data, kv.num_tokens, meta).to_bytes()
+            headers = {"Content-Type": "application/octet-stream"}
+            async with self._session.post(
+                target.rstrip("/") + "/kv/push", data=body, headers=headers
+            ) as resp:
+                if resp.status != 200:
+                    why = (await resp.read())[:200].decode(errors="replace")
+                    log.info("KV push of sequence %d refused (%d): %s", sid, resp.status, why)
+                    self.transfers["push_refused"] += 1
+                    return False
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            log.info("KV push of sequence %d failed (%r); it stays pinned for a pull", sid, exc)
+            self.transfers["push_refused"] += 1
+            return False
+        except BaseException:  # cancelled: nobody will learn where the KV is
+            await asyncio.shield(self.scheduler.call(lambda: self.scheduler.release_pinned(sid)))
+            raise
+        await self.scheduler.call(lambda: self.scheduler.release_pinned(sid))
+        self.transfers["pushed"] += 1
+        return True
+
+    async def kv_push(self, request: web.Request) -> web.Response:
+        """A context worker pushes a generation_first leg's KV: the body is a KV payload
+        whose header's `meta` carries the handoff (see `_push`)."""
+        try:
+            payload = KVPayload.from_bytes(await request.read(), self._layout_state(0, 0))
+        except TransferError as exc:
+            raise InvalidRequest(str(exc), param="body") from None
+        handoff = self._handoff(payload.meta, payload=payload)
+        await self._hand_over(payload.meta, handoff)
+        self.transfers["push_received"] += 1
+        return json_response({"stored": True})
+
+    async def kv_handoff(self, request: web.Request) -> web.Response:
+        """The orchestrator names where a generation_first leg's KV is (pull variant):
+        `{disagg_request_id, first_gen_tokens, prompt_token_ids, encoded_opaque_state,
+        ctx_usage}`. Answered once the leg pulled and stored it."""
+        msgpack = request.headers.get("X-TRTLLM-Msgpack") == "1"
+        data = decode_body(await request.read(), msgpack=msgpack)
+        encoded = data.get("encoded_opaque_state")
+        if not isinstance(encoded, str):
+            raise InvalidRequest("encoded_opaque_state must be a string", param="body")
+        try:
+            state = OpaqueState.decode(encoded)
+        except TransferError as exc:
+            raise InvalidRequest(str(exc), param="encoded_opaque_state") from None
+        await self._hand_over(data, self._handoff(data, state=state))
+        self.transfers["handoff_received"] += 1
+        return json_response({"stored": True})
+
+    def _handoff(self, data: dict[str, Any], **kv: Any) -> Handoff:
+        prompt, usage_ = data.get("prompt_token_ids"), data.get("ctx_usage")
+        if not isinstance(prompt, list) or not all(isinstance(t, int) for t in prompt):
+            raise InvalidRequest("prompt_token_ids must be a list of integers", param="body")
+        if usage_ is not None and not isinstance(usage_, dict):
+            raise InvalidRequest("ctx_usage must be an object", param="body")
+        first = self._first_tokens(data.get("first_gen_tokens"))
+        return Handoff(list(first), list(prompt), usage_, **kv)
+
+    async def _hand_over(self, data: dict[str, Any], handoff: Handoff) -> None:
+        rid = _int_field(data, "disagg_request_id")
+        try:
+            stored = await self.handoffs.deliver(rid, handoff, self.settings.kv_fetch_timeout_s)
+        except TimeoutError:
+            raise WorkerUnavailable(
+                f"the leg waiting for {rid} did not store its KV in time", code=KV_TRANSFER_FAILED
+            ) from None
+        if not stored:
+            raise NotFound(f"no generation_first leg waits for disagg_request_id {rid}")
 
 
 def _int_field(data: dict[str, Any], name: str, default: int | None = None) -> int:

@@ -2,7 +2,8 @@
 
 The context worker describes where its pinned KV lives in `encoded_opaque_state` (base64 of
 JSON); the generation worker pulls the blocks over HTTP as one binary body: a 4-byte
-big-endian header length, a JSON header (shape, dtype, num_tokens) and the raw array.
+big-endian header length, a JSON header (shape, dtype, num_tokens, and for a push the handoff's
+`meta`) and the raw array.
 No I/O here: encoding, decoding and checks only.
 """
 
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 import base64
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -44,16 +45,18 @@ class OpaqueState(msgspec.Struct, frozen=True):
 class KVPayload:
     data: np.ndarray  # (num_layers, 2, n_blocks, block_size, num_kv_heads, head_dim)
     num_tokens: int
+    meta: dict[str, Any] = field(default_factory=dict)  # what a pushed handoff carries
 
     def to_bytes(self) -> bytes:
-        header = msgspec.json.encode(
-            {
-                "shape": list(self.data.shape),
-                "dtype": str(self.data.dtype),
-                "num_tokens": self.num_tokens,
-            }
-        )
-        return struct.pack(">I", len(header)) + header + np.ascontiguousarray(self.data).tobytes()
+        header: dict[str, Any] = {
+            "shape": list(self.data.shape),
+            "dtype": str(self.data.dtype),
+            "num_tokens": self.num_tokens,
+        }
+        if self.meta:
+            header["meta"] = self.meta
+        raw = msgspec.json.encode(header)
+        return struct.pack(">I", len(raw)) + raw + np.ascontiguousarray(self.data).tobytes()
 
     @classmethod
     def from_bytes(cls, body: bytes, expect: OpaqueState) -> KVPayload:
@@ -64,6 +67,9 @@ class KVPayload:
             header: dict[str, Any] = msgspec.json.decode(body[4 : 4 + n])
             shape = tuple(int(x) for x in header["shape"])
             dtype = np.dtype(header["dtype"])
+            num_tokens, meta = int(header["num_tokens"]), header.get("meta") or {}
+            if not isinstance(meta, dict):
+                raise TypeError("meta must be an object")
         except (msgspec.DecodeError, KeyError, TypeError, ValueError) as exc:
             raise TransferError(f"bad KV payload header: {exc}") from None
         layers, kvh, hd = expect.layout
@@ -80,4 +86,4 @@ class KVPayload:
         raw = body[4 + n :]
         if len(raw) != int(np.prod(shape)) * dtype.itemsize:
             raise TransferError("KV payload size does not match its shape")
-        return cls(np.frombuffer(raw, dtype=dtype).reshape(shape), int(header["num_tokens"]))
+        return cls(np.frombuffer(raw, dtype=dtype).reshape(shape), num_tokens, meta)
