@@ -4,6 +4,7 @@ orchestrator routing both pools with it, fresh processes each time, serve the sa
 shared-prefix chat workload (system prompts x short user turns, plus multi-turn chats whose
 history grows), streamed. Reports the cache hit rate, TTFT and, for kv_cache_aware, how often
 the predicted cache hit was right to within one block; prints a table, writes JSON.
+A policy may name a schedule style after a colon (`kv_cache_aware:generation_first`).
 """
 
 from __future__ import annotations
@@ -29,7 +30,13 @@ import yaml
 from bench.chaos import HOST, PROBE, Process
 from disagg.demo import free_port
 
-POLICIES = ("round_robin", "load_balancing", "power_of_two", "kv_cache_aware")
+POLICIES = (
+    "round_robin",
+    "load_balancing",
+    "power_of_two",
+    "kv_cache_aware",
+    "kv_cache_aware:generation_first",
+)
 CONTEXT, GENERATION = 4, 4
 BLOCK, NUM_BLOCKS = 16, 128  # 2k tokens a worker: ~4 of the 20 system prompts (~30 blocks each)
 SYSTEMS, SYSTEM_CHARS, USER_CHARS, REPLY_CHARS = 20, (300, 600), (20, 80), (40, 120)
@@ -177,10 +184,12 @@ def _config(policy: str, port: int, workers: list[Process], setup: Setup) -> dic
     def urls(role: str) -> list[str]:
         return [f"{HOST}:{w.port}" for w in workers if w.name.startswith(role)]
 
+    router, _, schedule = policy.partition(":")
     return {
         "hostname": HOST,
         "port": port,
-        "router": {"type": policy},
+        "router": {"type": router},
+        "schedule_style": schedule or "context_first",
         "context_servers": {"urls": urls("context")},
         "generation_servers": {"urls": urls("generation")},
         "health_check_interval": 0.5,
@@ -189,8 +198,23 @@ def _config(policy: str, port: int, workers: list[Process], setup: Setup) -> dic
     }
 
 
-async def run_policy(policy: str, jobs: list[Job], setup: Setup, workdir: Path) -> list[Record]:
-    """Fresh workers and an orchestrator for `policy`, loaded with `jobs`."""
+async def _generation_hits(session: aiohttp.ClientSession, workers: list[Process]) -> float:
+    """The generation workers' own cache hit rate: prompt tokens they already held, so the
+    KV transfer skipped them (their /stats, summed)."""
+    queried = hit = 0
+    for w in workers:
+        if w.name.startswith("generation"):
+            async with session.get(w.url + "/stats", timeout=PROBE) as resp:
+                kv = (await resp.json())["kv"]
+            queried, hit = queried + kv["queried_tokens"], hit + kv["hit_tokens"]
+    return round(hit / queried, 4) if queried else 0.0
+
+
+async def run_policy(
+    policy: str, jobs: list[Job], setup: Setup, workdir: Path
+) -> tuple[list[Record], float]:
+    """Fresh workers and an orchestrator for `policy`, loaded with `jobs`; the records and the
+    generation workers' hit rate."""
     await asyncio.to_thread(workdir.mkdir, parents=True, exist_ok=True)
     blocks = ["--num-blocks", str(setup.num_blocks)]
     workers = [
@@ -212,7 +236,8 @@ async def run_policy(policy: str, jobs: list[Job], setup: Setup, workdir: Path) 
             await orchestrator.start()
             await orchestrator.wait_healthy(probe)
             await _all_ready(probe, orchestrator.url)
-            return await _load(orchestrator.url, jobs, setup.concurrency)
+            records = await _load(orchestrator.url, jobs, setup.concurrency)
+            return records, await _generation_hits(probe, workers)
         finally:
             await asyncio.gather(*(p.stop() for p in (orchestrator, *workers)))
 
@@ -245,7 +270,7 @@ def summarize(policy: str, records: list[Record]) -> dict[str, Any]:
         # legs per context worker, busiest first: how evenly the policy spread the load
         "context_legs": sorted(Counter(r.route.get("context") for r in ok).values())[::-1],
     }
-    if policy == "kv_cache_aware" and ok:
+    if policy.startswith("kv_cache_aware") and ok:
         err = [int(r.route.get("predicted_cached_tokens", 0)) - r.cached_tokens for r in ok]
         out["prediction_accuracy"] = round(sum(abs(e) <= BLOCK for e in err) / len(ok), 4)
         out["under_predicted"] = sum(e < -BLOCK for e in err)  # hit more than the index knew
@@ -258,12 +283,16 @@ def summarize(policy: str, records: list[Record]) -> dict[str, Any]:
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    lines = ["policy          reqs err  hit rate  x rr  TTFT mean   p50   p99 ms  x rr  pred acc"]
+    lines = [
+        f"{'policy':<31} reqs err  hit rate  x rr  gen hit  TTFT mean   p50   p99 ms  x rr"
+        "  pred acc"
+    ]
     for r in rows:
         acc = r.get("prediction_accuracy")
         lines.append(
-            f"{r['policy']:<15} {r['requests']:4d} {r['errors']:3d}  {r['hit_rate']:8.3f}"
-            f"  {r.get('hit_rate_vs_round_robin', 0):4.2f}  {r['ttft_mean_ms']:9.1f}"
+            f"{r['policy']:<31} {r['requests']:4d} {r['errors']:3d}  {r['hit_rate']:8.3f}"
+            f"  {r.get('hit_rate_vs_round_robin', 0):4.2f}  {r['generation_hit_rate']:7.3f}"
+            f"  {r['ttft_mean_ms']:9.1f}"
             f" {r['ttft_p50_ms']:5.0f} {r['ttft_p99_ms']:5.0f}"
             f"     {r.get('ttft_mean_vs_round_robin', 0):4.2f}"
             f"  {'-' if acc is None else f'{100 * acc:6.1f} %'}"
@@ -280,10 +309,11 @@ async def run(
     jobs = workload(n, seed)
     rows: list[dict[str, Any]] = []
     for policy in policies:
-        records = await run_policy(policy, jobs, setup, workdir / policy)
+        where = workdir / policy.replace(":", "-")
+        records, generation_hits = await run_policy(policy, jobs, setup, where)
         dump = json.dumps([asdict(r) for r in records])
-        await asyncio.to_thread((workdir / policy / "records.json").write_text, dump)
-        rows.append(summarize(policy, records))
+        await asyncio.to_thread((where / "records.json").write_text, dump)
+        rows.append(summarize(policy, records) | {"generation_hit_rate": generation_hits})
     base = next((r for r in rows if r["policy"] == "round_robin" and r["hit_rate"]), None)
     for r in rows:
         if base is not None:

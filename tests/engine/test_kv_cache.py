@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import numpy as np
@@ -557,3 +558,42 @@ def test_event_window_and_cached_hashes() -> None:
     assert sorted(bm.cached_hashes()) == sorted(
         h for i in range(3) for h in block_hashes([i, i], 2)
     )
+
+
+def test_read_events_from_another_thread_while_the_cache_changes() -> None:
+    """A router's poll reads the event log while the scheduler thread stores and evicts:
+    every read is a consistent prefix of the final log, ids without gaps; a cursor older
+    than the retained events reads None (the poller needs a snapshot)."""
+    m = BlockManager((1, 2, 6, 2, 1, 1), "float32", event_capacity=10_000)
+    stop = threading.Event()
+    seen: list[tuple[list[dict[str, Any]], int]] = []
+
+    def poll() -> None:
+        cursor = 0
+        while not stop.is_set():
+            read = m.read_events(cursor)
+            assert read is not None
+            events, last = read
+            ids = [e["event_id"] for e in events]
+            assert ids == list(range(cursor + 1, last + 1))
+            seen.append(read)
+            cursor = last
+
+    reader = threading.Thread(target=poll)
+    reader.start()
+    for i in range(300):  # distinct prompts: every allocation stores, then evicts
+        seq = m.allocate([i, i + 1, i + 2, i + 3, i + 4])
+        m.commit(seq, 5)
+        m.free(seq)
+    stop.set()
+    reader.join(10)
+    got = [e for events, _ in seen for e in events]
+    assert got == m.events_since(0)[: len(got)]
+    small = BlockManager((1, 2, 4, 2, 1, 1), "float32", event_capacity=2)
+    for i in range(4):
+        seq = small.allocate([10 * i, 10 * i + 1, 10 * i + 2])
+        small.commit(seq, 3)
+        small.free(seq)
+    assert small.read_events(0) is None  # the first events are gone
+    last = small.last_event_id
+    assert small.read_events(last) == ([], last)
