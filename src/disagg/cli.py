@@ -95,6 +95,7 @@ def _check_config(args: argparse.Namespace) -> int:
     if config is None:
         return 2
     print(yaml.safe_dump(config_to_dict(config), sort_keys=False), end="")
+    print(f"# secrets: {config.secrets.describe()}")  # never the keys themselves
     return 0
 
 

@@ -192,6 +192,20 @@ _OWN_KEYS = frozenset(
         "queue_timeout",
         "kv_events_interval",
         "generation_first_transfer",
+        # security (see `Secrets` and the limits in ClusterConfig)
+        "api_keys_file",
+        "admin_key_file",
+        "internal_auth_key",
+        "internal_request_auth_key",  # TensorRT-LLM's name for the same key
+        "auth_replay_window",
+        "ssl_certfile",
+        "ssl_keyfile",
+        "worker_ca_bundle",
+        "max_prompt_tokens",
+        "max_messages",
+        "max_stop_sequences",
+        "max_stop_length",
+        "body_read_timeout",
     }
 )
 _TOP_KEYS = _TRTLLM_KEYS | _TRTLLM_IGNORED | _WORKER_KEYS | _OWN_KEYS
@@ -223,6 +237,24 @@ class PoolConfig:
 @dataclass(frozen=True)
 class ConditionalDisaggConfig:
     max_local_prefill_length: int = 0
+
+
+@dataclass(frozen=True)
+class Secrets:
+    """Keys, read once from their files and the environment; never printed (no repr) and not
+    part of `config_to_dict`. Empty `api_keys`: clients need none. No `admin_key`: /metrics
+    and /cluster_info are open. No `internal_auth_key`: legs to workers are not signed."""
+
+    api_keys: frozenset[str] = field(default=frozenset(), repr=False)
+    admin_key: str | None = field(default=None, repr=False)
+    internal_auth_key: bytes | None = field(default=None, repr=False)
+
+    def describe(self) -> str:
+        return (
+            f"{len(self.api_keys)} client API key(s); admin key "
+            f"{'set' if self.admin_key else 'not set'}; internal auth key "
+            f"{'set' if self.internal_auth_key else 'not set'}"
+        )
 
 
 @dataclass(frozen=True)
@@ -264,6 +296,20 @@ class ClusterConfig:
     max_queued_requests: int = 1024  # requests waiting for a slot; beyond that 429
     queue_timeout: float = 10.0  # s a request may wait for a slot before 429
     kv_events_interval: float = 0.1  # s between polls of the workers' KV events
+    # security: where keys come from (paths only; the keys themselves are in `secrets`)
+    api_keys_file: str | None = None  # one client key a line; also DISAGG_API_KEYS (a,b)
+    admin_key_file: str | None = None  # guards /metrics and /cluster_info; DISAGG_ADMIN_KEY
+    auth_replay_window: float = 60.0  # s a signed internal request stays valid
+    ssl_certfile: str | None = None  # TLS on the frontend (with ssl_keyfile)
+    ssl_keyfile: str | None = None
+    worker_ca_bundle: str | None = None  # CA for https:// worker URLs (else the system's)
+    # limits on a client's request (each violation a 400 naming the parameter)
+    max_prompt_tokens: int = 131072
+    max_messages: int = 1024
+    max_stop_sequences: int = 16
+    max_stop_length: int = 1024  # characters of one stop string
+    body_read_timeout: float = 30.0  # s a client may take to send its body; then 408
+    secrets: Secrets = field(default_factory=Secrets, compare=False, repr=False)
 
 
 # --- small checkers -----------------------------------------------------------------------------
@@ -527,6 +573,36 @@ def _server_fields(top: Mapping[str, Any]) -> dict[str, Any]:
     return fields
 
 
+def _security_fields(top: Mapping[str, Any]) -> dict[str, Any]:
+    """Key files, TLS files and request limits. The literal internal key goes to `secrets`."""
+    fields: dict[str, Any] = {}
+    for key in (
+        "api_keys_file",
+        "admin_key_file",
+        "ssl_certfile",
+        "ssl_keyfile",
+        "worker_ca_bundle",
+    ):
+        if top.get(key) is not None:
+            fields[key] = _str(top[key], key)
+    if ("ssl_certfile" in fields) != ("ssl_keyfile" in fields):
+        raise ConfigError("ssl_keyfile", "ssl_certfile and ssl_keyfile go together")
+    if "auth_replay_window" in top:
+        fields["auth_replay_window"] = _seconds(top["auth_replay_window"], "auth_replay_window")
+    if "body_read_timeout" in top:
+        fields["body_read_timeout"] = _seconds(top["body_read_timeout"], "body_read_timeout")
+    for key in ("max_prompt_tokens", "max_messages", "max_stop_sequences", "max_stop_length"):
+        if key in top:
+            fields[key] = _int(top[key], key, minimum=1)
+    names = [k for k in ("internal_auth_key", "internal_request_auth_key") if top.get(k)]
+    if len(names) == 2:
+        raise ConfigError("internal_request_auth_key", "set internal_auth_key or this, not both")
+    if names:
+        key = _str(top[names[0]], names[0])
+        fields["secrets"] = Secrets(internal_auth_key=key.encode())
+    return fields
+
+
 def _own_fields(top: Mapping[str, Any]) -> dict[str, Any]:
     """disagg's own top-level keys."""
     fields: dict[str, Any] = {}
@@ -616,6 +692,7 @@ def parse_config(data: Any) -> ClusterConfig:
         generation=_parse_pool("generation", top),
         **_server_fields(top),
         **_own_fields(top),
+        **_security_fields(top),
     )
 
 
@@ -635,10 +712,41 @@ def load_config(path: str | os.PathLike[str]) -> ClusterConfig:
 
 
 def with_environment(cfg: ClusterConfig, environ: Mapping[str, str]) -> ClusterConfig:
-    """Apply the environment switches (read here only): DISAGG_NO_RETRY=1 turns retries off."""
+    """Apply the environment (read here only) and read the key files: DISAGG_NO_RETRY=1 turns
+    retries off; DISAGG_API_KEYS (comma-separated) adds client keys to `api_keys_file`'s;
+    DISAGG_ADMIN_KEY and DISAGG_INTERNAL_AUTH_KEY override the admin and internal keys."""
     if environ.get("DISAGG_NO_RETRY", "").strip().lower() in ("1", "true", "yes"):
-        return dataclasses.replace(cfg, disable_retries=True)
-    return cfg
+        cfg = dataclasses.replace(cfg, disable_retries=True)
+    keys = set(_key_lines(cfg.api_keys_file, "api_keys_file"))
+    keys.update(k.strip() for k in environ.get("DISAGG_API_KEYS", "").split(",") if k.strip())
+    admin = environ.get("DISAGG_ADMIN_KEY", "").strip() or None
+    if admin is None and cfg.admin_key_file is not None:
+        lines = _key_lines(cfg.admin_key_file, "admin_key_file")
+        if len(lines) != 1:
+            raise ConfigError("admin_key_file", "expected exactly one key in the file")
+        admin = lines[0]
+    internal = environ.get("DISAGG_INTERNAL_AUTH_KEY", "").strip()
+    secrets = Secrets(
+        frozenset(keys),
+        admin,
+        internal.encode() if internal else cfg.secrets.internal_auth_key,
+    )
+    return dataclasses.replace(cfg, secrets=secrets)
+
+
+def _key_lines(path: str | None, key: str) -> list[str]:
+    """A key file's keys: one a line, blank lines and `#` comments skipped."""
+    if path is None:
+        return []
+    try:
+        with open(path, encoding="utf-8") as fh:
+            lines = [line.strip() for line in fh]
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(key, f"cannot read {path!r}: {exc}") from None
+    keys = [line for line in lines if line and not line.startswith("#")]
+    if not keys:
+        raise ConfigError(key, f"{path!r} holds no key")
+    return keys
 
 
 def _yaml_message(exc: yaml.YAMLError) -> str:
@@ -697,6 +805,23 @@ def config_to_dict(cfg: ClusterConfig) -> dict[str, Any]:
         "max_queued_requests": cfg.max_queued_requests,
         "queue_timeout": cfg.queue_timeout,
         "kv_events_interval": cfg.kv_events_interval,
+        "auth_replay_window": cfg.auth_replay_window,
+        "max_prompt_tokens": cfg.max_prompt_tokens,
+        "max_messages": cfg.max_messages,
+        "max_stop_sequences": cfg.max_stop_sequences,
+        "max_stop_length": cfg.max_stop_length,
+        "body_read_timeout": cfg.body_read_timeout,
+    }
+    for key in (
+        "api_keys_file",
+        "admin_key_file",
+        "ssl_certfile",
+        "ssl_keyfile",
+        "worker_ca_bundle",
+    ):
+        if getattr(cfg, key) is not None:
+            out[key] = getattr(cfg, key)
+    out |= {
         "context_servers": _pool_to_dict(cfg.context),
         "generation_servers": _pool_to_dict(cfg.generation),
     }
