@@ -59,7 +59,7 @@ def _load_config(path: str) -> ClusterConfig | None:
 
 def _serve(args: argparse.Namespace) -> int:
     from disagg.cache_aware import StartupError
-    from disagg.http import run, serve
+    from disagg.http import run, serve, server_tls
     from disagg.server import Frontend
 
     config = _load_config(args.config)
@@ -67,17 +67,24 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
     host = args.host or config.hostname
     port = args.port or config.port
+    try:
+        tls = server_tls(config.ssl_certfile, config.ssl_keyfile)
+    except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError
+        print(f"disagg serve: cannot load ssl_certfile / ssl_keyfile: {exc}", file=sys.stderr)
+        return 2
     frontend = Frontend(config)
     log = logging.getLogger("disagg")
+    scheme = "https" if tls else "http"
     try:
         run(
             serve(
                 frontend.app(),
                 host,
                 port,
-                ready=lambda: log.info("orchestrator listening on http://%s:%d", host, port),
+                ready=lambda: log.info("orchestrator listening on %s://%s:%d", scheme, host, port),
                 drain=frontend,
                 drain_s=config.drain_timeout,
+                ssl_context=tls,
             )
         )
     except StartupError as exc:

@@ -61,6 +61,13 @@ class ModelNotFound(DisaggError):
         )
 
 
+class RequestTimeout(DisaggError):
+    """The client did not send its whole body in time (a slow or stalled client)."""
+
+    status = 408
+    type = "invalid_request_error"
+
+
 class PayloadTooLarge(DisaggError):
     status = 413
     type = "invalid_request_error"

@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+import ssl
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, Protocol
 
@@ -89,14 +90,17 @@ async def serve(
     ready: Callable[[], None] | None = None,
     drain: Drainable | None = None,
     drain_s: float = 30.0,
+    ssl_context: ssl.SSLContext | None = None,
 ) -> None:
     """Serve `app` until SIGINT/SIGTERM or cancellation, then clean up. With `drain`, the
     first signal drains for up to `drain_s` (a second one cuts that short); what is still
-    running afterwards is cancelled."""
+    running afterwards is cancelled. With `ssl_context`, over TLS."""
     # After the drain, what still runs gets 1 s to end on its own, then 1 s once cancelled.
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0)
     await runner.setup()
-    site = web.TCPSite(runner, host, port, reuse_address=True, backlog=4096)
+    site = web.TCPSite(
+        runner, host, port, reuse_address=True, backlog=4096, ssl_context=ssl_context
+    )
     await site.start()
     if ready is not None:
         ready()
@@ -133,6 +137,15 @@ async def _drain(drain: Drainable, site: web.TCPSite, drain_s: float, force: asy
     finally:
         for task in (done, forced):
             task.cancel()
+
+
+def server_tls(certfile: str | None, keyfile: str | None) -> ssl.SSLContext | None:
+    """A TLS context for serving with this certificate chain and key (None: plain HTTP)."""
+    if certfile is None or keyfile is None:
+        return None
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(certfile, keyfile)
+    return context
 
 
 def run(main: Coroutine[Any, Any, None]) -> None:

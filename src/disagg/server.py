@@ -1,9 +1,10 @@
-"""The orchestrator's HTTP frontend: OpenAI routes, body limits, admission, drain, SSE
-responses, cluster views and metrics.
+"""The orchestrator's HTTP frontend: OpenAI routes, client and admin keys, request limits,
+admission, drain, SSE responses, cluster views and metrics.
 
-It parses and validates the client's body, admits it, hands it to the orchestrator, and
-writes what comes back. Errors become OpenAI-style bodies in `disagg.http`; no placement
-happens here.
+It checks who calls, reads the client's body (bounded in size and time), validates and
+bounds it, admits it, hands it to the orchestrator, and writes what comes back. Errors
+become OpenAI-style bodies in `disagg.http`; no placement happens here. `x-disagg-route`
+names internal workers, so where clients need keys only the admin key's holder gets it.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
+import uuid
 from typing import Any
 
 import aiohttp
@@ -18,6 +21,7 @@ from aiohttp import web
 
 from disagg.admission import Admission
 from disagg.cache_aware import CacheAwareRouting, StartupError
+from disagg.client_auth import ClientAuth
 from disagg.cluster import BreakerSettings, Cluster, HealthMonitor, StaticDiscovery, Thresholds
 from disagg.config import GENERATION_FAILURE_POLICIES, PREFILL_FAILURE_POLICIES, ClusterConfig
 from disagg.endpoints import ENDPOINTS, Endpoint
@@ -25,14 +29,17 @@ from disagg.errors import (
     DisaggError,
     InvalidRequest,
     ModelNotFound,
+    RequestTimeout,
     ServiceUnavailable,
     TooManyRequests,
 )
 from disagg.formats import DONE, sse_data
-from disagg.http import error_middleware, json_response
+from disagg.http import Handler, error_middleware, error_response, json_response
+from disagg.limits import Limits
 from disagg.orchestrator import Deadlines, Job, Orchestrator
 from disagg.protocol import decode_body, validate
 from disagg.retry import RetryPolicy
+from disagg.routing.prompt_tokens import PromptHasher
 from disagg.telemetry import CONTENT_TYPE, Metrics
 from disagg.upstream import WorkerClient
 
@@ -43,6 +50,33 @@ INTERNAL_FIELDS = ("disaggregated_params", "prompt_token_ids")
 PREFILL_FAILURE_HEADER = "x-disagg-on-prefill-failure"
 GENERATION_FAILURE_HEADER = "x-disagg-on-generation-failure"
 CONVERSATION_HEADER = "x-disagg-conversation-id"
+REQUEST_ID_HEADER = "x-request-id"
+_URL = re.compile(r"\bhttps?://[^\s,;)'\"]+")
+
+
+@web.middleware
+async def public_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Every answer carries `x-request-id` (the client's, else a new one); an error's message
+    loses the internal addresses it names (the log keeps them, with the request id)."""
+    rid = request.headers.get(REQUEST_ID_HEADER, "")[:128] or uuid.uuid4().hex
+    request["request_id"] = rid
+    try:
+        resp = await handler(request)
+    except DisaggError as exc:
+        if exc.status >= 500 or _URL.search(exc.message):
+            log.warning(
+                "request %s: %s %s -> %d: %s",
+                rid,
+                request.method,
+                request.path,
+                exc.status,
+                exc.message,
+            )
+        exc.message = _URL.sub("<worker>", exc.message)
+        resp = error_response(exc)
+    if not resp.prepared:  # a stream sent its headers already (see `_serve`)
+        resp.headers[REQUEST_ID_HEADER] = rid
+    return resp
 
 
 def _conversation(request: web.Request, body: dict[str, Any]) -> str | None:
@@ -66,6 +100,11 @@ class Frontend:
         )
         self.client = WorkerClient(config.connect_timeout)
         self.cache = CacheAwareRouting(config, self.cluster)
+        self.auth = ClientAuth(config.secrets.api_keys, config.secrets.admin_key)
+        self.limits = Limits(config)
+        # Counts prompt tokens for the limit where no cache-aware pool tokenizes already.
+        tokenizer = config.context.router.args.get("tokenizer", "tiny")
+        self.counter = PromptHasher.named(str(tokenizer), 16)
         self.orchestrator = Orchestrator(
             self.cache.policy(config.context),
             self.cache.policy(config.generation),
@@ -108,7 +147,8 @@ class Frontend:
 
     def app(self) -> web.Application:
         app = web.Application(
-            middlewares=[error_middleware], client_max_size=self.config.max_request_body_bytes
+            middlewares=[error_middleware, public_errors],
+            client_max_size=self.config.max_request_body_bytes,
         )
         app.add_routes(
             [
@@ -167,7 +207,8 @@ class Frontend:
             status=503,
         )
 
-    async def cluster_info(self, _request: web.Request) -> web.Response:
+    async def cluster_info(self, request: web.Request) -> web.Response:
+        self.auth.check_admin(request.headers)
         info = {
             **self.cluster.describe(),
             "admission": {"active": self.admission.active, "queued": self.admission.queued},
@@ -176,10 +217,12 @@ class Frontend:
             info["prefix_index"] = self.cache.stats()
         return json_response(info)
 
-    async def metrics_page(self, _request: web.Request) -> web.Response:
+    async def metrics_page(self, request: web.Request) -> web.Response:
+        self.auth.check_admin(request.headers)
         return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
 
-    async def models(self, _request: web.Request) -> web.Response:
+    async def models(self, request: web.Request) -> web.Response:
+        self.auth.check_client(request.headers)
         data = [
             {"id": m, "object": "model", "created": 0, "owned_by": "disagg"}
             for m in self.cluster.models()
@@ -194,26 +237,35 @@ class Frontend:
 
         return handler
 
-    def _parse(self, raw: bytes, endpoint: Endpoint) -> tuple[dict[str, Any], Any]:
+    async def _read(self, request: web.Request) -> bytes:
+        """The body, within `max_request_body_bytes` (413) and `body_read_timeout` (408)."""
+        try:
+            async with asyncio.timeout(self.config.body_read_timeout):
+                return await request.read()
+        except TimeoutError:
+            raise RequestTimeout(
+                f"the request body did not arrive within {self.config.body_read_timeout:g} s"
+            ) from None
+
+    def _parse(
+        self, raw: bytes, endpoint: Endpoint
+    ) -> tuple[dict[str, Any], Any, list[int] | None]:
+        """The body without internal fields, its typed request, and its prompt token ids."""
         body = decode_body(raw)
         for key in INTERNAL_FIELDS:
             body.pop(key, None)
         typed: Any = validate(body, endpoint.request_type)
-        for key in endpoint.max_tokens_keys:
-            value = body.get(key)
-            if isinstance(value, int) and value > self.config.max_tokens_limit:
-                raise InvalidRequest(
-                    f"`{key}` must be at most {self.config.max_tokens_limit}", param=key
-                )
-            if value == 0:
-                raise InvalidRequest(f"`{key}` must be at least 1", param=key)
+        ids = self.cache.prompt_ids(typed)
+        if ids is None:
+            ids = self.counter.ids(typed)
+        self.limits.check(body, endpoint, None if ids is None else len(ids))
         if not self.cluster.serves(typed.model):
             if typed.model in self.cluster.models() or not self.cluster.models():
                 raise ServiceUnavailable(
                     f"no ready context and generation worker for model `{typed.model}`"
                 )
             raise ModelNotFound(typed.model)
-        return body, typed
+        return body, typed, ids
 
     def _failure_policy(
         self, request: web.Request, header: str, allowed: tuple[str, ...], default: str
@@ -232,7 +284,8 @@ class Frontend:
         if self.draining:
             self.metrics.rejected.labels("draining").inc()
             raise ServiceUnavailable("the orchestrator is shutting down; retry elsewhere")
-        body, typed = self._parse(await request.read(), endpoint)
+        self.auth.check_client(request.headers)
+        body, typed, ids = self._parse(await self._read(request), endpoint)
         opts = getattr(typed, "stream_options", None)
         include_usage = bool(opts and opts.include_usage) or endpoint.path == "/v1/responses"
         job = Job(
@@ -253,7 +306,7 @@ class Frontend:
                 GENERATION_FAILURE_POLICIES,
                 self.config.on_generation_failure,
             ),
-            self.cache.prompt_ids(typed),
+            ids,
             _conversation(request, body),
         )
         try:
@@ -272,7 +325,9 @@ class Frontend:
                 result.route.cached_tokens,
                 self.cache.hashers["context"].block_size,
             )
-        headers = {"x-disagg-route": result.route.header()}
+        headers = {REQUEST_ID_HEADER: request.get("request_id", "")}
+        if not self.auth.clients_need_keys or self.auth.is_admin(request.headers):
+            headers["x-disagg-route"] = result.route.header()
         if result.body is not None:
             return json_response(result.body, headers=headers)
         assert result.chunks is not None
