@@ -36,8 +36,9 @@ from disagg.errors import (
 from disagg.formats import DONE, sse_data
 from disagg.http import Handler, error_middleware, error_response, json_response
 from disagg.limits import Limits
+from disagg.openapi import document
 from disagg.orchestrator import Deadlines, Job, Orchestrator
-from disagg.protocol import decode_body, validate
+from disagg.protocol import decode_body, encode_msgpack, validate
 from disagg.retry import RetryPolicy
 from disagg.routing.prompt_tokens import PromptHasher
 from disagg.telemetry import CONTENT_TYPE, Metrics
@@ -159,6 +160,7 @@ class Frontend:
                 web.get("/health", self.health),
                 web.get("/cluster_info", self.cluster_info),
                 web.get("/metrics", self.metrics_page),
+                web.get("/openapi.json", self.openapi),
             ]
         )
         app.on_startup.append(self._start)
@@ -221,6 +223,9 @@ class Frontend:
         self.auth.check_admin(request.headers)
         return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
 
+    async def openapi(self, _request: web.Request) -> web.Response:
+        return json_response(document())
+
     async def models(self, request: web.Request) -> web.Response:
         self.auth.check_client(request.headers)
         data = [
@@ -255,6 +260,12 @@ class Frontend:
         for key in INTERNAL_FIELDS:
             body.pop(key, None)
         typed: Any = validate(body, endpoint.request_type)
+        try:  # the legs go msgpack-encoded, whose integers are 64-bit
+            encode_msgpack(body)
+        except OverflowError:
+            raise InvalidRequest(
+                "a number in the request is out of range (integers must fit in 64 bits)"
+            ) from None
         ids = self.cache.prompt_ids(typed)
         if ids is None:
             ids = self.counter.ids(typed)
