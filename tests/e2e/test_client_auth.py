@@ -40,7 +40,7 @@ def _admin_view(c: Cluster, path: str) -> None:
     ("headers", "code"),
     [
         ({}, "missing_api_key"),
-        ({"Authorization": "Bearer "}, "missing_api_key"),
+        ({"Authorization": "Bearer"}, "missing_api_key"),
         ({"Authorization": "Basic c2s="}, "missing_api_key"),
         (_auth("sk-wrong"), "invalid_api_key"),
         (_auth(CLIENT + "x"), "invalid_api_key"),
