@@ -573,16 +573,14 @@ def _server_fields(top: Mapping[str, Any]) -> dict[str, Any]:
     return fields
 
 
+# security keys whose values are file paths (None: unset)
+_PATH_KEYS = ("api_keys_file", "admin_key_file", "ssl_certfile", "ssl_keyfile", "worker_ca_bundle")
+
+
 def _security_fields(top: Mapping[str, Any]) -> dict[str, Any]:
     """Key files, TLS files and request limits. The literal internal key goes to `secrets`."""
     fields: dict[str, Any] = {}
-    for key in (
-        "api_keys_file",
-        "admin_key_file",
-        "ssl_certfile",
-        "ssl_keyfile",
-        "worker_ca_bundle",
-    ):
+    for key in _PATH_KEYS:
         if top.get(key) is not None:
             fields[key] = _str(top[key], key)
     if ("ssl_certfile" in fields) != ("ssl_keyfile" in fields):
@@ -812,13 +810,7 @@ def config_to_dict(cfg: ClusterConfig) -> dict[str, Any]:
         "max_stop_length": cfg.max_stop_length,
         "body_read_timeout": cfg.body_read_timeout,
     }
-    for key in (
-        "api_keys_file",
-        "admin_key_file",
-        "ssl_certfile",
-        "ssl_keyfile",
-        "worker_ca_bundle",
-    ):
+    for key in _PATH_KEYS:
         if getattr(cfg, key) is not None:
             out[key] = getattr(cfg, key)
     out |= {
