@@ -99,6 +99,7 @@ class WorkerState:
     fails: int = 0  # consecutive failed health checks
     passes: int = 0  # consecutive passed health checks
     breaker: Breaker = field(default_factory=Breaker)
+    selections: int = 0  # legs placed here since start (retries included)
 
     def record(self, ok: bool, thresholds: Thresholds) -> bool:
         """Count one health check; returns whether readiness changed. A ready worker leaves

@@ -55,6 +55,7 @@ class Route:
     cached_tokens: int = 0
     predicted_cached_tokens: int = 0  # what the prefix index expected at the context worker
     retries: int = 0
+    context_s: float = 0.0  # the context leg that answered: send to answer, in seconds
     deadline: float = float("inf")  # loop time by which the whole request must be done
     # The context leg's worker: its breaker's verdict waits until its KV reached the
     # generation worker (an answer whose KV cannot be pulled is no success).
@@ -272,9 +273,11 @@ class Orchestrator:
             self.cache.expect(route.context, request.block_hashes)
         try:
             payload = endpoint.context_request(body, self.next_id(), push)
+            sent = time.monotonic()
             resp = await self.client.post(
                 reservation.worker.url, endpoint.path, payload, route.left(self.deadlines.context_s)
             )
+            route.context_s = time.monotonic() - sent
             ctx = await self._context_outcome(endpoint, body, resp, route)
         except BaseException as exc:
             _judge(reservation, exc)

@@ -13,7 +13,9 @@ import asyncio
 import contextlib
 import logging
 import re
+import time
 import uuid
+from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
@@ -127,6 +129,10 @@ class Frontend:
         )
         self.metrics = Metrics()
         self.metrics.track(lambda: self.admission.active, lambda: self.admission.queued)
+        self.metrics.watch(
+            self.cluster,
+            {"context": config.context.router.type, "generation": config.generation.router.type},
+        )
         self.draining = False
         self.keeps_listening = False  # drain: new connections go to other replicas at once
         self._streams: set[asyncio.Task[Any]] = set()  # handlers relaying a stream
@@ -238,7 +244,20 @@ class Frontend:
         endpoint = ENDPOINTS[kind]
 
         async def handler(request: web.Request) -> web.StreamResponse:
-            return await self._handle(request, endpoint)
+            metrics, started, status = self.metrics, time.monotonic(), 500
+            request["started"], request["endpoint"] = started, kind
+            metrics.in_flight.inc()
+            try:
+                resp = await self._handle(request, endpoint)
+                status = resp.status
+                return resp
+            except DisaggError as exc:
+                status = exc.status
+                raise
+            finally:
+                metrics.in_flight.dec()
+                metrics.requests.labels(kind, f"{status // 100}xx").inc()
+                metrics.duration.labels(kind).observe(time.monotonic() - started)
 
         return handler
 
@@ -328,6 +347,23 @@ class Frontend:
             self.metrics.rejected.labels(exc.reason).inc()
             raise
 
+    async def _relay(
+        self, request: web.Request, resp: web.StreamResponse, chunks: AsyncIterator[bytes]
+    ) -> None:
+        """Write the stream's chunks, timing the first (from the request's start) and the
+        gaps between the others."""
+        metrics, last = self.metrics, request["started"]
+        first = True
+        async for chunk in chunks:
+            await resp.write(chunk)
+            now = time.monotonic()
+            if first:
+                metrics.ttft.labels(request["endpoint"]).observe(now - last)
+                first = False
+            else:
+                metrics.itl.observe(now - last)
+            last = now
+
     async def _serve(self, request: web.Request, job: Job) -> web.StreamResponse:
         result = await self.orchestrator.run(job)
         if "context" in self.cache.pools and result.route.context is not None:
@@ -336,6 +372,9 @@ class Frontend:
                 result.route.cached_tokens,
                 self.cache.hashers["context"].block_size,
             )
+        self.metrics.retries.inc(result.route.retries)
+        if result.route.context_s:
+            self.metrics.context_leg.observe(result.route.context_s)
         headers = {REQUEST_ID_HEADER: request.get("request_id", "")}
         if not self.auth.clients_need_keys or self.auth.is_admin(request.headers):
             headers["x-disagg-route"] = result.route.header()
@@ -356,8 +395,7 @@ class Frontend:
             self._streams.add(task)
             try:
                 async with contextlib.aclosing(result.chunks) as chunks:
-                    async for chunk in chunks:
-                        await resp.write(chunk)
+                    await self._relay(request, resp, chunks)
             except asyncio.CancelledError:
                 if not self._cut:
                     raise

@@ -1,17 +1,27 @@
 """Prometheus metrics of the orchestrator, on one registry per frontend, served at /metrics.
 
-Modules report what happened (a queue wait, a rejected request); nothing here decides or
-changes how a request is served.
+Modules report what happened (a queue wait, a finished request, a stream's chunk); the
+per-worker figures are read from the cluster when scraped. Labels stay low-cardinality:
+endpoint, status class, pool, worker URL. Nothing here decides how a request is served.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from disagg.cluster import Cluster
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 180)
+_TOKEN_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 5)
+BREAKER_STATES = ("closed", "open", "half_open")
 
 
 class Metrics:
@@ -48,6 +58,53 @@ class Metrics:
             registry=self.registry,
         )
 
+        self._requests(self.registry)
+
+    def _requests(self, registry: CollectorRegistry) -> None:
+        self.requests = Counter(
+            "disagg_requests",
+            "Client requests answered, by endpoint and status class (2xx, 4xx, 5xx)",
+            ["endpoint", "status"],
+            registry=registry,
+        )
+        self.retries = Counter(
+            "disagg_retries", "Leg attempts beyond the first, over all requests", registry=registry
+        )
+        self.in_flight = Gauge(
+            "disagg_in_flight_requests", "Client requests being served now", registry=registry
+        )
+        self.duration = Histogram(
+            "disagg_request_duration_seconds",
+            "End to end: body read to last byte sent",
+            ["endpoint"],
+            buckets=_LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.ttft = Histogram(
+            "disagg_time_to_first_token_seconds",
+            "Streams: body read to the first chunk sent",
+            ["endpoint"],
+            buckets=_LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.itl = Histogram(
+            "disagg_inter_token_latency_seconds",
+            "Streams: time between chunks sent to the client",
+            buckets=_TOKEN_BUCKETS,
+            registry=registry,
+        )
+        self.context_leg = Histogram(
+            "disagg_context_leg_seconds",
+            "The context leg that answered: sent to answered",
+            buckets=_LATENCY_BUCKETS,
+            registry=registry,
+        )
+
+    def watch(self, cluster: Cluster, policies: dict[str, str]) -> None:
+        """Per-worker figures, read from `cluster` at each scrape; `policies`: pool ->
+        router type, for the routing-decision counts."""
+        self.registry.register(_WorkerCollector(cluster, policies))
+
     def observe_prediction(self, predicted: int, actual: int, block_size: int) -> None:
         error = abs(predicted - actual)
         self.prediction_error.observe(error)
@@ -61,3 +118,37 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _WorkerCollector(Collector):
+    def __init__(self, cluster: Cluster, policies: dict[str, str]) -> None:
+        self.cluster, self.policies = cluster, policies
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        labels = ["pool", "worker"]
+        in_flight = GaugeMetricFamily(
+            "disagg_worker_in_flight", "Legs on the worker now", labels=labels
+        )
+        ready = GaugeMetricFamily("disagg_worker_ready", "1 when health checks pass", labels=labels)
+        draining = GaugeMetricFamily("disagg_worker_draining", "1 while it drains", labels=labels)
+        breaker = GaugeMetricFamily(
+            "disagg_worker_breaker_state",
+            "1 for the circuit breaker's current state",
+            labels=[*labels, "state"],
+        )
+        picks = CounterMetricFamily(
+            "disagg_routing_decisions",
+            "Legs placed, by pool, policy and worker (retries included)",
+            labels=["pool", "policy", "worker"],
+        )
+        for pool in (self.cluster.context, self.cluster.generation):
+            policy = self.policies.get(pool.role, "")
+            for w in pool.workers:
+                key = [pool.role, w.url]
+                in_flight.add_metric(key, w.in_flight)
+                ready.add_metric(key, float(w.ready))
+                draining.add_metric(key, float(w.draining))
+                for state in BREAKER_STATES:
+                    breaker.add_metric([*key, state], float(w.breaker.state == state))
+                picks.add_metric([pool.role, policy, w.url], w.selections)
+        yield from (in_flight, ready, draining, breaker, picks)

@@ -58,6 +58,7 @@ class Reservation:
     def __init__(self, policy: Policy, request: RouteRequest) -> None:
         self.policy, self.request = policy, request
         self.worker = policy.pick(request)
+        self.worker.selections += 1
         self.worker.breaker.on_pick(time.monotonic())
         self._done = False
 
