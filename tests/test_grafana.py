@@ -1,0 +1,33 @@
+"""The Grafana dashboard only names metrics the orchestrator exports."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from disagg.cluster import Cluster, StaticDiscovery
+from disagg.telemetry import Metrics
+
+DASHBOARD = Path(__file__).parent.parent / "deploy" / "grafana" / "disagg.json"
+
+
+def test_dashboard_queries_exported_metrics() -> None:
+    metrics = Metrics()
+    metrics.watch(Cluster(StaticDiscovery(["http://c:1"], ["http://g:2"])), {})
+    exported = {
+        line.split()[2]
+        for line in metrics.render().decode().splitlines()
+        if line.startswith("# TYPE")
+    }
+    names = set()  # histograms and counters are queried by their sample names
+    for name in exported:
+        names |= {name, f"{name}_total", f"{name}_bucket", f"{name}_count", f"{name}_sum"}
+    dashboard = json.loads(DASHBOARD.read_text())
+    used = {
+        m
+        for panel in dashboard["panels"]
+        for target in panel["targets"]
+        for m in re.findall(r"\bdisagg_[a-z_]+", target["expr"])
+    }
+    assert used and used <= names, used - names
