@@ -47,6 +47,7 @@ from disagg.telemetry import CONTENT_TYPE, Metrics
 from disagg.upstream import WorkerClient
 
 log = logging.getLogger(__name__)
+access = logging.getLogger("disagg.access")  # one line a client request, at info
 
 # Fields only the orchestrator may set on a leg; a client can never drive the handoff.
 INTERNAL_FIELDS = ("disaggregated_params", "prompt_token_ids")
@@ -255,11 +256,32 @@ class Frontend:
                 status = exc.status
                 raise
             finally:
+                took = time.monotonic() - started
                 metrics.in_flight.dec()
                 metrics.requests.labels(kind, f"{status // 100}xx").inc()
-                metrics.duration.labels(kind).observe(time.monotonic() - started)
+                metrics.duration.labels(kind).observe(took)
+                self._log_request(request, kind, status, took)
 
         return handler
+
+    def _log_request(self, request: web.Request, kind: str, status: int, took: float) -> None:
+        if not access.isEnabledFor(logging.INFO):
+            return
+        fields: dict[str, Any] = {
+            "request_id": request.get("request_id"),
+            "endpoint": kind,
+            "status": status,
+            "duration_ms": round(1000 * took, 2),
+        }
+        route = request.get("route")
+        if route is not None:
+            fields |= {
+                "context": route.context,
+                "generation": route.generation,
+                "cached_tokens": route.cached_tokens,
+                "retries": route.retries,
+            }
+        access.info("request", extra={"fields": fields})
 
     async def _read(self, request: web.Request) -> bytes:
         """The body, within `max_request_body_bytes` (413) and `body_read_timeout` (408)."""
@@ -372,6 +394,7 @@ class Frontend:
                 result.route.cached_tokens,
                 self.cache.hashers["context"].block_size,
             )
+        request["route"] = result.route
         self.metrics.retries.inc(result.route.retries)
         if result.route.context_s:
             self.metrics.context_leg.observe(result.route.context_s)

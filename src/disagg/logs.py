@@ -1,0 +1,53 @@
+"""Log lines for people and for log pipelines: `text` (one readable line) or `json` (one JSON
+object a line, for Loki, Elasticsearch and the like). A record may carry structured fields
+(`extra={"fields": {...}}`): the request line does, with the request id; text shows them as
+`key=value`, JSON as keys. Formatting only: what to log is decided where it happens.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from typing import Any
+
+FORMATS = ("text", "json")
+_TEXT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+def _fields(record: logging.LogRecord) -> dict[str, Any]:
+    fields = getattr(record, "fields", None)
+    return fields if isinstance(fields, dict) else {}
+
+
+class TextFormatter(logging.Formatter):
+    def __init__(self) -> None:
+        super().__init__(_TEXT)
+
+    def format(self, record: logging.LogRecord) -> str:
+        line = super().format(record)
+        extra = " ".join(f"{k}={v}" for k, v in _fields(record).items())
+        return f"{line} {extra}" if extra else line
+
+
+class JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        out: dict[str, Any] = {
+            "ts": round(record.created, 6),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "message": record.getMessage(),
+            **_fields(record),
+        }
+        if record.exc_info:
+            out["exception"] = self.formatException(record.exc_info)
+        return json.dumps(out, default=str, separators=(",", ":"))
+
+
+def configure(level: str, fmt: str = "text") -> None:
+    """Log to stderr at `level` in format `fmt` (see FORMATS)."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
