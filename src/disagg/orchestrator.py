@@ -56,6 +56,9 @@ class Route:
     predicted_cached_tokens: int = 0  # what the prefix index expected at the context worker
     retries: int = 0
     context_s: float = 0.0  # the context leg that answered: send to answer, in seconds
+    # When the legs that served it were sent and answered (time.monotonic(); the last
+    # attempt's): context_sent, context_done, generation_sent, generation_accepted.
+    times: dict[str, float] = field(default_factory=dict)
     deadline: float = float("inf")  # loop time by which the whole request must be done
     # The context leg's worker: its breaker's verdict waits until its KV reached the
     # generation worker (an answer whose KV cannot be pulled is no success).
@@ -273,11 +276,12 @@ class Orchestrator:
             self.cache.expect(route.context, request.block_hashes)
         try:
             payload = endpoint.context_request(body, self.next_id(), push)
-            sent = time.monotonic()
+            sent = route.times["context_sent"] = time.monotonic()
             resp = await self.client.post(
                 reservation.worker.url, endpoint.path, payload, route.left(self.deadlines.context_s)
             )
-            route.context_s = time.monotonic() - sent
+            route.times["context_done"] = done = time.monotonic()
+            route.context_s = done - sent
             ctx = await self._context_outcome(endpoint, body, resp, route)
         except BaseException as exc:
             _judge(reservation, exc)
@@ -387,6 +391,7 @@ class Orchestrator:
         its stream once the worker accepted it, which it does only once it holds the KV."""
         url, path = reservation.worker.url, job.endpoint.path
         opened: dict[str, Any] | UpstreamStream
+        route.times["generation_sent"] = time.monotonic()
         try:
             if job.stream:
                 opened = await self.client.open_stream(url, path, payload, route.left(first_byte_s))
@@ -403,6 +408,7 @@ class Orchestrator:
                 _judge(reservation, exc)
             reservation.finish(False)
             raise
+        route.times["generation_accepted"] = time.monotonic()
         _judge_context(route, True)
         return opened
 

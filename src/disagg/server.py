@@ -40,6 +40,7 @@ from disagg.http import Handler, error_middleware, error_response, json_response
 from disagg.limits import Limits
 from disagg.openapi import document
 from disagg.orchestrator import Deadlines, Job, Orchestrator
+from disagg.perf_records import PerfRecords
 from disagg.protocol import decode_body, encode_msgpack, validate
 from disagg.retry import RetryPolicy
 from disagg.routing.prompt_tokens import PromptHasher
@@ -129,6 +130,7 @@ class Frontend:
             config.max_concurrent_requests, config.max_queued_requests, config.queue_timeout
         )
         self.metrics = Metrics()
+        self.perf = PerfRecords(config.perf_metrics_max_requests)
         self.metrics.track(lambda: self.admission.active, lambda: self.admission.queued)
         self.metrics.watch(
             self.cluster,
@@ -168,6 +170,7 @@ class Frontend:
                 web.get("/cluster_info", self.cluster_info),
                 web.get("/metrics", self.metrics_page),
                 web.get("/openapi.json", self.openapi),
+                web.get("/perf_metrics", self.perf_metrics),
             ]
         )
         app.on_startup.append(self._start)
@@ -230,6 +233,10 @@ class Frontend:
         self.auth.check_admin(request.headers)
         return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
 
+    async def perf_metrics(self, request: web.Request) -> web.Response:
+        self.auth.check_admin(request.headers)
+        return json_response({"enabled": self.perf.enabled, "records": self.perf.last()})
+
     async def openapi(self, _request: web.Request) -> web.Response:
         return json_response(document())
 
@@ -261,8 +268,28 @@ class Frontend:
                 metrics.requests.labels(kind, f"{status // 100}xx").inc()
                 metrics.duration.labels(kind).observe(took)
                 self._log_request(request, kind, status, took)
+                self._record(request, kind, status)
 
         return handler
+
+    def _record(self, request: web.Request, kind: str, status: int) -> None:
+        route = request.get("route")
+        if route is None or not self.perf.enabled:
+            return
+        times = dict(route.times)
+        for key in ("first_token", "last_token"):
+            if key in request:
+                times[key] = request[key]
+        info = {
+            "request_id": request.get("request_id"),
+            "endpoint": kind,
+            "status": status,
+            "context": route.context,
+            "generation": route.generation,
+            "cached_tokens": route.cached_tokens,
+            "retries": route.retries,
+        }
+        self.perf.add(request["started"], times, info)
 
     def _log_request(self, request: web.Request, kind: str, status: int, took: float) -> None:
         if not access.isEnabledFor(logging.INFO):
@@ -381,10 +408,11 @@ class Frontend:
             now = time.monotonic()
             if first:
                 metrics.ttft.labels(request["endpoint"]).observe(now - last)
-                first = False
+                request["first_token"], first = now, False
             else:
                 metrics.itl.observe(now - last)
             last = now
+        request["last_token"] = last
 
     async def _serve(self, request: web.Request, job: Job) -> web.StreamResponse:
         result = await self.orchestrator.run(job)
@@ -402,6 +430,7 @@ class Frontend:
         if not self.auth.clients_need_keys or self.auth.is_admin(request.headers):
             headers["x-disagg-route"] = result.route.header()
         if result.body is not None:
+            request["last_token"] = time.monotonic()
             return json_response(result.body, headers=headers)
         assert result.chunks is not None
         task = asyncio.current_task()
