@@ -59,13 +59,15 @@ class Limits:
             )
 
     def _stops(self, stop: Any) -> None:
-        stops = [stop] if isinstance(stop, str) else list(stop or ())
+        # validated as str | list[str] where the endpoint has `stop`; elsewhere it is an
+        # unknown field, passed on, bounded all the same
+        stops = [stop] if isinstance(stop, str) else stop if isinstance(stop, list) else []
         if len(stops) > self.max_stops:
             raise InvalidRequest(
                 f"`stop` has {len(stops)} strings; at most {self.max_stops} are allowed",
                 param="stop",
             )
-        if any(len(s) > self.max_stop_length for s in stops):
+        if any(isinstance(s, str) and len(s) > self.max_stop_length for s in stops):
             raise InvalidRequest(
                 f"a `stop` string is longer than {self.max_stop_length} characters",
                 param="stop",
