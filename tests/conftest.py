@@ -60,17 +60,19 @@ def start_cluster(
     *,
     extra_ctx: Sequence[str] = (),
     extra_gen: Sequence[str] = (),
+    worker_args: Sequence[str] = (),
     **extra: object,
 ) -> Cluster:
     """Reference workers (plus the `extra_*` URLs, first in their pool) behind an
-    orchestrator; `extra` adds or overrides top-level config keys."""
+    orchestrator; `worker_args` go to every worker's command line; `extra` adds or
+    overrides top-level config keys."""
     ctx = [free_port() for _ in range(n_ctx)]
     gen = [free_port() for _ in range(n_gen)]
     port = free_port()
     for p in ctx:
-        procs.start("worker", "--role", "context", "--port", str(p))
+        procs.start("worker", "--role", "context", "--port", str(p), *worker_args)
     for p in gen:
-        procs.start("worker", "--role", "generation", "--port", str(p))
+        procs.start("worker", "--role", "generation", "--port", str(p), *worker_args)
     config = {
         "hostname": "127.0.0.1",
         "port": port,

@@ -17,6 +17,7 @@ import aiohttp
 
 from disagg.cluster import Cluster
 from disagg.config import ClusterConfig, PoolConfig
+from disagg.internal_auth import signer_for
 from disagg.kv_events import KVEventFeed
 from disagg.routing import Policy, make_policy
 from disagg.routing.prefix_index import PrefixIndex
@@ -54,6 +55,7 @@ class CacheAwareRouting:
             for role, p in self.pools.items()
         }
         self._feeds: list[KVEventFeed] = []
+        self.signer = signer_for(config)  # the event polls are signed like the legs
         self.expect_ttl_s, self.routed_ttl_s = EXPECT_TTL_S, ROUTED_TTL_S
         self._expiry: dict[tuple[str, tuple[int, ...]], asyncio.TimerHandle] = {}
         self._recent: OrderedDict[tuple[int, tuple[int, ...]], tuple[int, ...]] = OrderedDict()
@@ -74,6 +76,7 @@ class CacheAwareRouting:
                 session,
                 size,
                 self.config.kv_events_interval,
+                self.signer,
             )
             await feed.poll_all()
             feed.start()

@@ -18,10 +18,16 @@ if TYPE_CHECKING:
 
 
 def _worker(args: argparse.Namespace) -> int:
+    from disagg.config import ConfigError, worker_auth_key
     from disagg.engine.checkpoint import model_from_name
     from disagg.engine.server import Worker, WorkerSettings
     from disagg.http import run, serve
 
+    try:
+        key = worker_auth_key(args.internal_auth_key_file)
+    except ConfigError as exc:
+        print(f"disagg worker: {exc}", file=sys.stderr)
+        return 2
     model, tokenizer = model_from_name(args.model)
     name = args.served_model_name or ("tiny" if args.model == "tiny" else args.model)
     advertise = args.advertise_url or f"http://{_url_host(args.host)}:{args.port}"
@@ -33,6 +39,8 @@ def _worker(args: argparse.Namespace) -> int:
         block_size=args.block_size,
         kv_lease_s=args.kv_lease,
         kv_fetch_timeout_s=args.kv_fetch_timeout,
+        internal_auth_key=key,
+        auth_replay_window_s=args.auth_replay_window,
     )
     worker = Worker(model, tokenizer, settings)
     logging.getLogger("disagg").info("%s worker for %s on %s", args.role, name, advertise)
@@ -149,6 +157,18 @@ def build_parser() -> argparse.ArgumentParser:
         default=10.0,
         help="seconds a generation worker waits for KV from a context worker"
         " (then the leg fails with code kv_transfer_failed)",
+    )
+    w.add_argument(
+        "--internal-auth-key-file",
+        default=None,
+        help="file holding the cluster's internal auth key (else DISAGG_INTERNAL_AUTH_KEY):"
+        " every POST to this worker must then be signed with it",
+    )
+    w.add_argument(
+        "--auth-replay-window",
+        type=float,
+        default=60.0,
+        help="seconds a signed request stays valid (and its nonce is remembered)",
     )
     w.set_defaults(func=_worker)
 

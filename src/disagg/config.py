@@ -200,7 +200,6 @@ _OWN_KEYS = frozenset(
         "auth_replay_window",
         "ssl_certfile",
         "ssl_keyfile",
-        "worker_ca_bundle",
         "max_prompt_tokens",
         "max_messages",
         "max_stop_sequences",
@@ -302,7 +301,6 @@ class ClusterConfig:
     auth_replay_window: float = 60.0  # s a signed internal request stays valid
     ssl_certfile: str | None = None  # TLS on the frontend (with ssl_keyfile)
     ssl_keyfile: str | None = None
-    worker_ca_bundle: str | None = None  # CA for https:// worker URLs (else the system's)
     # limits on a client's request (each violation a 400 naming the parameter)
     max_prompt_tokens: int = 131072
     max_messages: int = 1024
@@ -574,7 +572,7 @@ def _server_fields(top: Mapping[str, Any]) -> dict[str, Any]:
 
 
 # security keys whose values are file paths (None: unset)
-_PATH_KEYS = ("api_keys_file", "admin_key_file", "ssl_certfile", "ssl_keyfile", "worker_ca_bundle")
+_PATH_KEYS = ("api_keys_file", "admin_key_file", "ssl_certfile", "ssl_keyfile")
 
 
 def _security_fields(top: Mapping[str, Any]) -> dict[str, Any]:
@@ -730,6 +728,20 @@ def with_environment(cfg: ClusterConfig, environ: Mapping[str, str]) -> ClusterC
         internal.encode() if internal else cfg.secrets.internal_auth_key,
     )
     return dataclasses.replace(cfg, secrets=secrets)
+
+
+def worker_auth_key(path: str | None, environ: Mapping[str, str] | None = None) -> bytes | None:
+    """A reference worker's internal auth key: the one key in `path` (its
+    --internal-auth-key-file), else DISAGG_INTERNAL_AUTH_KEY (of `environ`, by default the
+    process's); None when neither is set: nothing is checked."""
+    if path is not None:
+        lines = _key_lines(path, "internal_auth_key_file")
+        if len(lines) != 1:
+            raise ConfigError("internal_auth_key_file", "expected exactly one key in the file")
+        return lines[0].encode()
+    env = os.environ if environ is None else environ
+    key = env.get("DISAGG_INTERNAL_AUTH_KEY", "").strip()
+    return key.encode() if key else None
 
 
 def _key_lines(path: str | None, key: str) -> list[str]:

@@ -5,7 +5,8 @@ cursor. A `reset` answer (first contact, a restarted worker, a cursor older than
 worker kept) is a snapshot: the worker's entries are forgotten and rebuilt. A worker whose
 block size differs from the router's is kept out of the index. Workers that have no such
 endpoint are listed in `without_events` (their entries come from where legs were routed,
-see `CacheAwareRouting.expect`). It never routes.
+see `CacheAwareRouting.expect`). Polls are signed when the cluster has an internal key.
+It never routes.
 """
 
 from __future__ import annotations
@@ -16,8 +17,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
+import msgspec
 
 from disagg.cluster import Periodic, WorkerState
+from disagg.internal_auth import Signer
 from disagg.routing.prefix_index import PrefixIndex
 
 log = logging.getLogger(__name__)
@@ -28,6 +31,7 @@ class _Cursor:
     since: int = 0
     instance: str | None = None
     block_size_ok: bool = True
+    auth_ok: bool = True  # said once when a worker refuses the polls' signature
 
 
 class KVEventFeed:
@@ -38,8 +42,10 @@ class KVEventFeed:
         session: aiohttp.ClientSession,
         block_size: int,
         interval_s: float = 0.1,
+        signer: Signer | None = None,
     ) -> None:
         self.index, self.workers, self.session = index, workers, session
+        self.signer = signer
         self.block_size, self.interval_s = block_size, interval_s
         self.timeout = aiohttp.ClientTimeout(total=2.0)
         self._cursors: dict[str, _Cursor] = {}
@@ -51,14 +57,26 @@ class KVEventFeed:
 
     async def _poll(self, w: WorkerState) -> None:
         cur = self._cursors.setdefault(w.url, _Cursor())
-        body = {"since": cur.since, "instance": cur.instance}
+        url = w.url + "/kv_cache_events"
+        body = msgspec.json.encode({"since": cur.since, "instance": cur.instance})
+        headers = {"Content-Type": "application/json"}
+        if self.signer is not None:
+            headers.update(self.signer.for_url("POST", url, body))
         try:
             async with self.session.post(
-                w.url + "/kv_cache_events", json=body, timeout=self.timeout
+                url, data=body, headers=headers, timeout=self.timeout
             ) as resp:
                 if resp.status in (404, 405):
                     self.without_events.add(w.url)
                     return
+                if resp.status == 401 and cur.auth_ok:
+                    log.error(
+                        "worker %s refuses the KV event polls' internal authentication (%s);"
+                        " is internal_auth_key the same on the orchestrator and the workers?",
+                        w.url,
+                        (await resp.read())[:200].decode(errors="replace"),
+                    )
+                cur.auth_ok = resp.status != 401
                 if resp.status != 200:
                     return  # failing now: the health monitor says so; the index waits
                 self.without_events.discard(w.url)

@@ -37,6 +37,7 @@ from disagg.errors import (
 )
 from disagg.formats import DONE, sse_data
 from disagg.http import Handler, error_middleware, error_response, json_response
+from disagg.internal_auth import signer_for
 from disagg.limits import Limits
 from disagg.openapi import document
 from disagg.orchestrator import Deadlines, Job, Orchestrator
@@ -103,7 +104,7 @@ class Frontend:
             StaticDiscovery(config.context.urls, config.generation.urls),
             BreakerSettings(config.breaker_failures, config.breaker_cooldown),
         )
-        self.client = WorkerClient(config.connect_timeout)
+        self.client = WorkerClient(config.connect_timeout, signer=signer_for(config))
         self.cache = CacheAwareRouting(config, self.cluster)
         self.auth = ClientAuth(config.secrets.api_keys, config.secrets.admin_key)
         self.limits = Limits(config)

@@ -2,7 +2,8 @@
 and streamed SSE bytes relayed as they arrive.
 
 Upstream sends and receives; it never decides placement. Worker error statuses become
-`UpstreamError`, broken connections `WorkerUnavailable`.
+`UpstreamError`, broken connections `WorkerUnavailable`. With a `Signer`, every POST is
+signed (see `internal_auth`), and legs naming their KV carry TensorRT-LLM's header too.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import aiohttp
 import msgspec
 
 from disagg.errors import DisaggError, GatewayTimeout, UpstreamError, WorkerUnavailable
+from disagg.internal_auth import Signer
 from disagg.protocol import encode_msgpack
 
 log = logging.getLogger(__name__)
@@ -23,8 +25,9 @@ log = logging.getLogger(__name__)
 HEADERS = {"Content-Type": "application/json", "X-TRTLLM-Msgpack": "1"}
 
 
-def worker_error(status: int, raw: bytes) -> UpstreamError:
-    """The worker's error status, message, `param` and `code`, as the client will see them."""
+def worker_error(status: int, raw: bytes) -> DisaggError:
+    """The worker's error status, message, `param` and `code`, as the client will see them.
+    A 401 is the cluster's fault (keys that differ), not the client's: a worker failure."""
     message, param, code = "", None, None
     try:
         data = msgspec.json.decode(raw)
@@ -38,6 +41,12 @@ def worker_error(status: int, raw: bytes) -> UpstreamError:
     except msgspec.DecodeError:
         pass
     message = message or raw[:500].decode(errors="replace").strip()
+    if status == 401:
+        return WorkerUnavailable(
+            "a worker refused the orchestrator's internal authentication (is"
+            f" internal_auth_key the same on the orchestrator and the workers?): {message}",
+            code="internal_auth_failed",
+        )
     return UpstreamError(
         status, message or f"worker answered HTTP {status}", param=param, code=code
     )
@@ -81,8 +90,9 @@ class UpstreamStream:
 
 
 class WorkerClient:
-    def __init__(self, connect_timeout_s: float = 5.0) -> None:
+    def __init__(self, connect_timeout_s: float = 5.0, signer: Signer | None = None) -> None:
         self._connect_s = connect_timeout_s
+        self._signer = signer
         # A busy worker's scheduler may take a while to answer; nobody waits for it.
         self._release_timeout = aiohttp.ClientTimeout(total=10.0, sock_connect=connect_timeout_s)
         self._session: aiohttp.ClientSession | None = None
@@ -106,14 +116,24 @@ class WorkerClient:
             await self._session.close()
             self._session = None
 
+    def _body(self, url: str, payload: dict[str, Any]) -> tuple[bytes, dict[str, str]]:
+        """A leg's msgpack body and its headers, signed when the cluster has a key."""
+        body = encode_msgpack(payload)
+        if self._signer is None:
+            return body, HEADERS
+        headers = {**HEADERS, **self._signer.for_url("POST", url, body)}
+        headers.update(self._signer.trtllm(payload.get("disaggregated_params")))
+        return body, headers
+
     async def post(
         self, url: str, path: str, payload: dict[str, Any], timeout_s: float
     ) -> dict[str, Any]:
         """POST a leg and return its JSON answer within `timeout_s`."""
         timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=self._connect_s)
+        body, headers = self._body(url + path, payload)
         try:
             async with self.session.post(
-                url + path, data=encode_msgpack(payload), headers=HEADERS, timeout=timeout
+                url + path, data=body, headers=headers, timeout=timeout
             ) as resp:
                 raw = await resp.read()
                 if resp.status != 200:
@@ -137,10 +157,11 @@ class WorkerClient:
         """POST a streamed leg; returns once the worker accepted it (status 200), which must
         happen within `first_byte_s`. Chunk deadlines are the reader's business."""
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=self._connect_s)
+        body, headers = self._body(url + path, payload)
         try:
             async with asyncio.timeout(first_byte_s):
                 resp = await self.session.post(
-                    url + path, data=encode_msgpack(payload), headers=HEADERS, timeout=timeout
+                    url + path, data=body, headers=headers, timeout=timeout
                 )
         except TimeoutError:
             raise GatewayTimeout(f"worker {url} did not answer in time") from None
@@ -166,11 +187,13 @@ class WorkerClient:
     async def release_kv(self, url: str, ctx_request_id: int) -> None:
         """Best effort: ask a context worker to drop pinned KV (workers without the endpoint
         free it at lease expiry)."""
+        body = msgspec.json.encode({"ctx_request_id": ctx_request_id})
+        headers = {"Content-Type": "application/json"}
+        if self._signer is not None:
+            headers.update(self._signer.for_url("POST", url + "/kv/release", body))
         try:
             async with self.session.post(
-                url + "/kv/release",
-                json={"ctx_request_id": ctx_request_id},
-                timeout=self._release_timeout,
+                url + "/kv/release", data=body, headers=headers, timeout=self._release_timeout
             ) as resp:
                 await resp.read()
         except (aiohttp.ClientError, TimeoutError) as exc:

@@ -1,6 +1,7 @@
 """The reference worker's HTTP API: OpenAI endpoints, context_only / generation_only legs,
 the KV endpoints (fetch, release; and for generation_first the push and the pull handoff),
-health and stats, and a drain that finishes its legs on SIGTERM.
+health and stats, and a drain that finishes its legs on SIGTERM. With an internal auth key,
+every POST must be signed (see `internal_auth`) and opaque states sealed; GETs stay open.
 
 Handlers parse and answer; the scheduler thread does all model and KV-cache work.
 """
@@ -10,8 +11,9 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
@@ -26,7 +28,7 @@ from disagg.engine.model import Model
 from disagg.engine.requests import Job, build_job
 from disagg.engine.scheduler import Event, Scheduler, Sequence
 from disagg.engine.tokenizer import IncrementalDetokenizer, Tokenizer
-from disagg.engine.transfer import KVPayload, OpaqueState, TransferError
+from disagg.engine.transfer import KVPayload, OpaqueState, StateExpired, TransferError
 from disagg.errors import (
     KV_TRANSFER_FAILED,
     DisaggError,
@@ -38,6 +40,7 @@ from disagg.errors import (
 )
 from disagg.formats import DONE
 from disagg.http import error_middleware, json_response
+from disagg.internal_auth import Signer, Verifier
 from disagg.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -68,6 +71,9 @@ class WorkerSettings:
     kv_fetch_timeout_s: float = 10.0
     max_batched_tokens: int = 256
     max_body_bytes: int = 10 * 1024 * 1024
+    # With a key, every POST must be signed with it, and this worker signs its own calls.
+    internal_auth_key: bytes | None = field(default=None, repr=False)
+    auth_replay_window_s: float = 60.0
 
 
 class Worker:
@@ -85,6 +91,9 @@ class Worker:
             lease_s=settings.kv_lease_s,
         )
         self._session: aiohttp.ClientSession | None = None
+        key = settings.internal_auth_key
+        self.signer = Signer(key) if key else None
+        self.verifier = Verifier(key, settings.auth_replay_window_s) if key else None
         self.handoffs = Handoffs()  # generation_first legs waiting for their KV
         # KV moves by kind: fetches served, pushes sent and refused, handoffs taken
         self.transfers = dict.fromkeys(
@@ -117,9 +126,10 @@ class Worker:
     # -- app --------------------------------------------------------------------------------
 
     def app(self) -> web.Application:
-        app = web.Application(
-            middlewares=[error_middleware], client_max_size=self.settings.max_body_bytes
-        )
+        middlewares = [error_middleware]
+        if self.verifier is not None:
+            middlewares.append(auth_middleware(self.verifier))
+        app = web.Application(middlewares=middlewares, client_max_size=self.settings.max_body_bytes)
         app.add_routes(
             [
                 web.post("/v1/completions", self._endpoint("completions")),
@@ -184,8 +194,15 @@ class Worker:
     async def stats(self, _request: web.Request) -> web.Response:
         stats = await self.scheduler.call(self.scheduler.stats)
         waiting = len(self.handoffs)
+        refused = self.verifier.refused if self.verifier is not None else 0
         return json_response(
-            {"role": self.settings.role, **stats, "transfers": self.transfers, "handoffs": waiting}
+            {
+                "role": self.settings.role,
+                **stats,
+                "transfers": self.transfers,
+                "handoffs": waiting,
+                "auth_refused": refused,  # requests refused for their internal auth
+            }
         )
 
     async def kv_fetch(self, request: web.Request) -> web.Response:
@@ -375,7 +392,8 @@ class Worker:
             params["kv_pushed"] = True  # the generation worker holds the KV; nothing is pinned
         elif reason == "not_finished":
             params["ctx_request_id"] = seq.seq_id
-            params["encoded_opaque_state"] = self._opaque_state(seq).encode()
+            key = self.settings.internal_auth_key
+            params["encoded_opaque_state"] = self._opaque_state(seq).encode(key)
         if "choices" in body:
             body["choices"][0]["disaggregated_params"] = params
         else:
@@ -384,9 +402,13 @@ class Worker:
         return body
 
     def _opaque_state(self, seq: Sequence) -> OpaqueState:
-        return self._layout_state(seq.seq_id, len(seq.prompt_ids))
+        # The scheduler pinned the KV just now, for the lease from then on.
+        expires = time.time() + self.settings.kv_lease_s
+        return self._layout_state(seq.seq_id, len(seq.prompt_ids), expires)
 
-    def _layout_state(self, ctx_request_id: int, num_tokens: int) -> OpaqueState:
+    def _layout_state(
+        self, ctx_request_id: int, num_tokens: int, expires_at: float = 0.0
+    ) -> OpaqueState:
         cfg = self.model.config
         return OpaqueState(
             self.settings.advertise_url,
@@ -395,7 +417,26 @@ class Worker:
             self.blocks.block_size,
             cfg.dtype,
             (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim),
+            expires_at,
         )
+
+    def _decode_state(self, encoded: str, param: str) -> OpaqueState:
+        """An opaque state checked before anything connects where it says: sealed with this
+        cluster's key (when it has one; else `Unauthorized`), well formed, not expired."""
+        try:
+            return OpaqueState.decode(encoded, self.settings.internal_auth_key)
+        except StateExpired as exc:
+            # As if the KV were fetched after the lease: the orchestrator starts over.
+            raise WorkerUnavailable(str(exc), code=KV_TRANSFER_FAILED) from None
+        except TransferError as exc:
+            raise InvalidRequest(str(exc), param=param) from None
+
+    def _signed(self, url: str, body: bytes, content_type: str) -> dict[str, str]:
+        """Headers for a call to another worker, signed when this cluster has a key."""
+        headers = {"Content-Type": content_type}
+        if self.signer is not None:
+            headers.update(self.signer.for_url("POST", url, body))
+        return headers
 
     async def _stream(
         self, request: web.Request, job: Job, seq: Sequence, queue: asyncio.Queue[Event]
@@ -483,10 +524,7 @@ class Worker:
             raise InvalidRequest(
                 "generation_only needs encoded_opaque_state", param="disaggregated_params"
             )
-        try:
-            state = OpaqueState.decode(job.disagg.encoded_opaque_state)
-        except TransferError as exc:
-            raise InvalidRequest(str(exc), param="disaggregated_params") from None
+        state = self._decode_state(job.disagg.encoded_opaque_state, "disaggregated_params")
         return self._check_layout(state, job)
 
     def _check_layout(self, state: OpaqueState, job: Job) -> OpaqueState:
@@ -507,9 +545,12 @@ class Worker:
     async def _fetch(self, state: OpaqueState, start_block: int) -> KVPayload:
         assert self._session is not None
         url = state.endpoint.rstrip("/") + "/kv/fetch"
-        body = {"ctx_request_id": state.ctx_request_id, "start_block": start_block}
+        body = msgspec.json.encode(
+            {"ctx_request_id": state.ctx_request_id, "start_block": start_block}
+        )
+        headers = self._signed(url, body, "application/json")
         try:
-            async with self._session.post(url, json=body) as resp:
+            async with self._session.post(url, data=body, headers=headers) as resp:
                 raw = await resp.read()
                 if resp.status != 200:
                     raise WorkerUnavailable(
@@ -614,10 +655,9 @@ class Worker:
                 "ctx_usage": self._usage(job, seq),
             }
             body = KVPayload(kv.data, kv.num_tokens, meta).to_bytes()
-            headers = {"Content-Type": "application/octet-stream"}
-            async with self._session.post(
-                target.rstrip("/") + "/kv/push", data=body, headers=headers
-            ) as resp:
+            url = target.rstrip("/") + "/kv/push"
+            headers = self._signed(url, body, "application/octet-stream")
+            async with self._session.post(url, data=body, headers=headers) as resp:
                 if resp.status != 200:
                     why = (await resp.read())[:200].decode(errors="replace")
                     log.info("KV push of sequence %d refused (%d): %s", sid, resp.status, why)
@@ -655,10 +695,7 @@ class Worker:
         encoded = data.get("encoded_opaque_state")
         if not isinstance(encoded, str):
             raise InvalidRequest("encoded_opaque_state must be a string", param="body")
-        try:
-            state = OpaqueState.decode(encoded)
-        except TransferError as exc:
-            raise InvalidRequest(str(exc), param="encoded_opaque_state") from None
+        state = self._decode_state(encoded, "encoded_opaque_state")
         await self._hand_over(data, self._handoff(data, state=state))
         self.transfers["handoff_received"] += 1
         return json_response({"stored": True})
@@ -682,6 +719,24 @@ class Worker:
             ) from None
         if not stored:
             raise NotFound(f"no generation_first leg waits for disagg_request_id {rid}")
+
+
+_OPEN_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+
+
+def auth_middleware(verifier: Verifier) -> Any:
+    """Refuse (401) any request but a GET that is not signed with the cluster's key: every
+    leg, KV move and event poll. Checked over the raw body before anything parses it."""
+
+    @web.middleware
+    async def check(request: web.Request, handler: Any) -> web.StreamResponse:
+        if request.method not in _OPEN_METHODS:
+            body = await request.read()  # kept by aiohttp for the handler
+            verifier.check(request.method, request.raw_path, request.headers, body)
+        response: web.StreamResponse = await handler(request)
+        return response
+
+    return check
 
 
 def _int_field(data: dict[str, Any], name: str, default: int | None = None) -> int:

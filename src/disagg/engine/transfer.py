@@ -1,7 +1,9 @@
 """KV transfer between reference workers: the opaque state and the binary block format.
 
-The context worker describes where its pinned KV lives in `encoded_opaque_state` (base64 of
-JSON); the generation worker pulls the blocks over HTTP as one binary body: a 4-byte
+The context worker describes where its pinned KV lives, and until when, in
+`encoded_opaque_state` (base64 of JSON, sealed with the internal auth key when the cluster has
+one: `<base64>.<hmac>`, so nobody can point a generation worker elsewhere); the generation
+worker pulls the blocks over HTTP as one binary body: a 4-byte
 big-endian header length, a JSON header (shape, dtype, num_tokens, and for a push the handoff's
 `meta`) and the raw array.
 No I/O here: encoding, decoding and checks only.
@@ -11,15 +13,22 @@ from __future__ import annotations
 
 import base64
 import struct
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
 import numpy as np
 
+from disagg.internal_auth import seal, unseal
+
 
 class TransferError(ValueError):
     """A malformed opaque state or KV payload."""
+
+
+class StateExpired(TransferError):
+    """The opaque state's KV lease is over: its KV is gone (or about to be)."""
 
 
 class OpaqueState(msgspec.Struct, frozen=True):
@@ -29,16 +38,29 @@ class OpaqueState(msgspec.Struct, frozen=True):
     block_size: int
     dtype: str
     layout: tuple[int, int, int]  # (num_layers, num_kv_heads, head_dim)
+    # unix time the KV lease ends; 0: unknown (a state from a worker before leases were told)
+    expires_at: float = 0.0
 
-    def encode(self) -> str:
-        return base64.b64encode(msgspec.json.encode(self)).decode()
+    def encode(self, key: bytes | None = None) -> str:
+        text = base64.b64encode(msgspec.json.encode(self)).decode()
+        return seal(key, text) if key else text
 
     @classmethod
-    def decode(cls, text: str) -> OpaqueState:
+    def decode(cls, text: str, key: bytes | None = None, now: float | None = None) -> OpaqueState:
+        """The state in `text`: with a `key` only a state sealed with it (else
+        `Unauthorized`, before anything is decoded); `StateExpired` past its lease."""
+        raw = unseal(key, text, "encoded_opaque_state")
         try:
-            return msgspec.json.decode(base64.b64decode(text, validate=True), type=cls)
+            state = msgspec.json.decode(base64.b64decode(raw, validate=True), type=cls)
         except (ValueError, msgspec.DecodeError) as exc:
             raise TransferError(f"invalid encoded_opaque_state: {exc}") from None
+        now = time.time() if now is None else now
+        if state.expires_at and now > state.expires_at:
+            raise StateExpired(
+                f"encoded_opaque_state expired {now - state.expires_at:.1f} s ago: the context"
+                " worker's KV lease is over"
+            )
+        return state
 
 
 @dataclass(frozen=True)
