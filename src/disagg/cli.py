@@ -1,4 +1,4 @@
-"""The `disagg` command: serve · worker · demo · check-config.
+"""The `disagg` command: serve · worker · demo · check-config · report.
 
 Parses arguments and starts things; the behaviour lives in the modules it calls.
 """
@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from disagg import __version__
+from disagg.logs import FORMATS, configure
 
 if TYPE_CHECKING:
     from disagg.config import ClusterConfig
@@ -126,6 +127,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--log-level", default="info", choices=["debug", "info", "warning", "error"]
     )
+    parser.add_argument(
+        "--log-format", default="text", choices=list(FORMATS), help="json: one object a line"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     w = sub.add_parser("worker", help="run a reference worker")
@@ -187,16 +191,35 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("check-config", help="validate a cluster file and print it resolved")
     c.add_argument("config")
     c.set_defaults(func=_check_config)
+
+    r = sub.add_parser("report", help="chart per-request timing from /perf_metrics JSON")
+    r.add_argument("perf_json", help="a saved GET /perf_metrics answer")
+    r.add_argument("-o", "--output", default="report.png", help="the PNG to write")
+    r.set_defaults(func=_report)
     return parser
+
+
+def _report(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from disagg.report import draw, load
+
+    try:
+        records = load(Path(args.perf_json))
+        draw(records, Path(args.output))
+    except ImportError:
+        print("disagg report needs matplotlib: pip install 'disagg[plot]'", file=sys.stderr)
+        return 2
+    except (OSError, ValueError, KeyError) as exc:
+        print(f"disagg report: {exc}", file=sys.stderr)
+        return 2
+    print(f"{args.output}: {len(records)} requests")
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(),
-        stream=sys.stderr,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    configure(args.log_level, args.log_format)
     return int(args.func(args))
 
 
