@@ -22,7 +22,7 @@ def _worker(args: argparse.Namespace) -> int:
     from disagg.config import ConfigError, worker_auth_key
     from disagg.engine.checkpoint import model_from_name
     from disagg.engine.server import Worker, WorkerSettings
-    from disagg.http import run, serve
+    from disagg.http import run, serve, server_tls
 
     try:
         key = worker_auth_key(args.internal_auth_key_file)
@@ -31,7 +31,13 @@ def _worker(args: argparse.Namespace) -> int:
         return 2
     model, tokenizer = model_from_name(args.model)
     name = args.served_model_name or ("tiny" if args.model == "tiny" else args.model)
-    advertise = args.advertise_url or f"http://{_url_host(args.host)}:{args.port}"
+    try:
+        tls = server_tls(args.ssl_certfile, args.ssl_keyfile)
+    except (OSError, ValueError) as exc:
+        print(f"disagg worker: cannot load --ssl-certfile / --ssl-keyfile: {exc}", file=sys.stderr)
+        return 2
+    scheme = "https" if tls else "http"
+    advertise = args.advertise_url or f"{scheme}://{_url_host(args.host)}:{args.port}"
     settings = WorkerSettings(
         role=args.role,
         model_name=name,
@@ -42,10 +48,20 @@ def _worker(args: argparse.Namespace) -> int:
         kv_fetch_timeout_s=args.kv_fetch_timeout,
         internal_auth_key=key,
         auth_replay_window_s=args.auth_replay_window,
+        ssl_ca_file=args.ssl_ca_file,
     )
     worker = Worker(model, tokenizer, settings)
     logging.getLogger("disagg").info("%s worker for %s on %s", args.role, name, advertise)
-    run(serve(worker.app(), args.host, args.port, drain=worker, drain_s=args.drain_timeout))
+    run(
+        serve(
+            worker.app(),
+            args.host,
+            args.port,
+            drain=worker,
+            drain_s=args.drain_timeout,
+            ssl_context=tls,
+        )
+    )
     return 0
 
 
@@ -173,6 +189,11 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=60.0,
         help="seconds a signed request stays valid (and its nonce is remembered)",
+    )
+    w.add_argument("--ssl-certfile", default=None, help="serve https with this certificate")
+    w.add_argument("--ssl-keyfile", default=None, help="... and this key")
+    w.add_argument(
+        "--ssl-ca-file", default=None, help="CA of the other workers' https URLs (KV transfer)"
     )
     w.set_defaults(func=_worker)
 

@@ -200,6 +200,7 @@ _OWN_KEYS = frozenset(
         "auth_replay_window",
         "ssl_certfile",
         "ssl_keyfile",
+        "worker_ca_bundle",
         "max_prompt_tokens",
         "max_messages",
         "max_stop_sequences",
@@ -301,6 +302,7 @@ class ClusterConfig:
     auth_replay_window: float = 60.0  # s a signed internal request stays valid
     ssl_certfile: str | None = None  # TLS on the frontend (with ssl_keyfile)
     ssl_keyfile: str | None = None
+    worker_ca_bundle: str | None = None  # CA for https:// worker URLs (else the system's)
     # limits on a client's request (each violation a 400 naming the parameter)
     max_prompt_tokens: int = 131072
     max_messages: int = 1024
@@ -572,7 +574,7 @@ def _server_fields(top: Mapping[str, Any]) -> dict[str, Any]:
 
 
 # security keys whose values are file paths (None: unset)
-_PATH_KEYS = ("api_keys_file", "admin_key_file", "ssl_certfile", "ssl_keyfile")
+_PATH_KEYS = ("api_keys_file", "admin_key_file", "ssl_certfile", "ssl_keyfile", "worker_ca_bundle")
 
 
 def _security_fields(top: Mapping[str, Any]) -> dict[str, Any]:

@@ -148,6 +148,11 @@ def server_tls(certfile: str | None, keyfile: str | None) -> ssl.SSLContext | No
     return context
 
 
+def client_tls(cafile: str | None) -> ssl.SSLContext | bool:
+    """How to verify https:// peers: against `cafile`'s CAs, else the system's (True)."""
+    return ssl.create_default_context(cafile=cafile) if cafile else True
+
+
 def run(main: Coroutine[Any, Any, None]) -> None:
     """Run a coroutine on uvloop when available."""
     try:

@@ -36,7 +36,7 @@ from disagg.errors import (
     TooManyRequests,
 )
 from disagg.formats import DONE, sse_data
-from disagg.http import Handler, error_middleware, error_response, json_response
+from disagg.http import Handler, client_tls, error_middleware, error_response, json_response
 from disagg.internal_auth import signer_for
 from disagg.limits import Limits
 from disagg.openapi import document
@@ -104,7 +104,8 @@ class Frontend:
             StaticDiscovery(config.context.urls, config.generation.urls),
             BreakerSettings(config.breaker_failures, config.breaker_cooldown),
         )
-        self.client = WorkerClient(config.connect_timeout, signer=signer_for(config))
+        self.tls = client_tls(config.worker_ca_bundle)
+        self.client = WorkerClient(config.connect_timeout, signer_for(config), self.tls)
         self.cache = CacheAwareRouting(config, self.cluster)
         self.auth = ClientAuth(config.secrets.api_keys, config.secrets.admin_key)
         self.limits = Limits(config)
@@ -179,7 +180,7 @@ class Frontend:
         return app
 
     async def _start(self, _app: web.Application) -> None:
-        self._health_session = aiohttp.ClientSession()
+        self._health_session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=self.tls))
         self.monitor = HealthMonitor(
             self.cluster,
             self._health_session,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import logging
+import ssl
 from typing import Any
 
 import aiohttp
@@ -90,8 +91,14 @@ class UpstreamStream:
 
 
 class WorkerClient:
-    def __init__(self, connect_timeout_s: float = 5.0, signer: Signer | None = None) -> None:
-        self._connect_s = connect_timeout_s
+    def __init__(
+        self,
+        connect_timeout_s: float = 5.0,
+        signer: Signer | None = None,
+        tls: ssl.SSLContext | bool = True,
+    ) -> None:
+        """`tls`: how https:// workers are verified (a context with the cluster's CA)."""
+        self._connect_s, self._tls = connect_timeout_s, tls
         self._signer = signer
         # A busy worker's scheduler may take a while to answer; nobody waits for it.
         self._release_timeout = aiohttp.ClientTimeout(total=10.0, sock_connect=connect_timeout_s)
@@ -102,7 +109,7 @@ class WorkerClient:
     def session(self) -> aiohttp.ClientSession:
         if self._session is None:
             connector = aiohttp.TCPConnector(
-                limit=0, keepalive_timeout=30, enable_cleanup_closed=True
+                limit=0, keepalive_timeout=30, enable_cleanup_closed=True, ssl=self._tls
             )
             self._session = aiohttp.ClientSession(
                 connector=connector, auto_decompress=False, skip_auto_headers=("User-Agent",)

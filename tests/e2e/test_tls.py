@@ -17,7 +17,7 @@ import trustme
 import yaml
 
 from disagg.demo import free_port
-from tests.conftest import Procs, start_cluster
+from tests.conftest import Procs, start_cluster, wait_healthy
 
 
 def _serve_tls(procs: Procs, tmp: Path) -> tuple[str, Path]:
@@ -98,3 +98,48 @@ def test_bad_certificate_path_is_a_clear_start_error(tmp_path: Path) -> None:
     )
     assert out.returncode == 2
     assert "cannot load ssl_certfile" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_https_workers_with_a_ca_bundle(procs: Procs, tmp_path: Path) -> None:
+    """Workers serve https; the orchestrator trusts them by worker_ca_bundle and the
+    generation worker fetches KV from the context worker over https too."""
+    ca = trustme.CA()
+    cert = ca.issue_cert("127.0.0.1")
+    certfile, keyfile, cafile = tmp_path / "w.pem", tmp_path / "w.key", tmp_path / "ca.pem"
+    cert.private_key_and_cert_chain_pem.write_to_path(str(certfile))
+    cert.private_key_pem.write_to_path(str(keyfile))
+    ca.cert_pem.write_to_path(str(cafile))
+    tls = ["--ssl-certfile", str(certfile), "--ssl-keyfile", str(keyfile)]
+    ctx, gen, port = free_port(), free_port(), free_port()
+    procs.start("worker", "--role", "context", "--port", str(ctx), *tls)
+    procs.start(
+        "worker", "--role", "generation", "--port", str(gen), *tls, "--ssl-ca-file", str(cafile)
+    )
+    verify = ssl.create_default_context(cafile=str(cafile))
+    for p in (ctx, gen):
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(f"https://127.0.0.1:{p}/health", verify=verify).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+    config = {
+        "hostname": "127.0.0.1",
+        "port": port,
+        "context_servers": {"urls": [f"https://127.0.0.1:{ctx}"]},
+        "generation_servers": {"urls": [f"https://127.0.0.1:{gen}"]},
+        "worker_ca_bundle": str(cafile),
+    }
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(config))
+    procs.start("serve", "--config", str(path))
+    url = f"http://127.0.0.1:{port}"
+    wait_healthy(url, procs)
+    body = {"model": "tiny", "prompt": "tls between workers", "max_tokens": 6}
+    r = httpx.post(url + "/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    stats = httpx.get(f"https://127.0.0.1:{ctx}/stats", verify=verify).json()
+    assert stats["transfers"]["fetch_served"] == 1  # the KV went over https

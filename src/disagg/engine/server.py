@@ -39,7 +39,7 @@ from disagg.errors import (
     WorkerUnavailable,
 )
 from disagg.formats import DONE
-from disagg.http import error_middleware, json_response
+from disagg.http import client_tls, error_middleware, json_response
 from disagg.internal_auth import Signer, Verifier
 from disagg.protocol import (
     ChatCompletionRequest,
@@ -74,6 +74,7 @@ class WorkerSettings:
     # With a key, every POST must be signed with it, and this worker signs its own calls.
     internal_auth_key: bytes | None = field(default=None, repr=False)
     auth_replay_window_s: float = 60.0
+    ssl_ca_file: str | None = None  # CA of the other workers' https URLs (KV fetch, push)
 
 
 class Worker:
@@ -153,7 +154,8 @@ class Worker:
     async def _start(self, _app: web.Application) -> None:
         self.scheduler.start()
         self._session = aiohttp.ClientSession(
-            timeout=aiohttp.ClientTimeout(total=self.settings.kv_fetch_timeout_s)
+            timeout=aiohttp.ClientTimeout(total=self.settings.kv_fetch_timeout_s),
+            connector=aiohttp.TCPConnector(ssl=client_tls(self.settings.ssl_ca_file)),
         )
 
     async def _stop(self, _app: web.Application) -> None:
