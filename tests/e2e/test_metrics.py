@@ -74,3 +74,22 @@ def test_metrics_follow_known_requests(procs: Procs, tmp_path: Path) -> None:
         assert _get(m, "disagg_worker_ready", pool=pool, worker=url) == 1
         assert _get(m, "disagg_worker_breaker_state", pool=pool, worker=url, state="closed") == 1
         assert _get(m, "disagg_worker_in_flight", pool=pool, worker=url) == 0
+
+
+def test_worker_metrics(procs: Procs, tmp_path: Path) -> None:
+    """A reference worker's /metrics: sequences, KV blocks by state, prefix-cache tokens and
+    KV transfers by kind, after one disaggregated request."""
+    c = start_cluster(procs, tmp_path, 1, 1)
+    body = {"model": "tiny", "prompt": "metrics on the worker side " * 4, "max_tokens": 4}
+    assert httpx.post(c.url + "/v1/completions", json=body).status_code == 200
+    assert_no_leaks(c)
+    ctx, gen = _samples(c.context_urls[0]), _samples(c.generation_urls[0])
+    fetches = "disagg_engine_kv_transfers_total"
+    assert _get(ctx, fetches, role="context", kind="fetch_served") == 1
+    assert _get(gen, fetches, role="generation", kind="fetch_served") == 0
+    assert _get(ctx, "disagg_engine_prompt_tokens_total", role="context") > 100
+    assert _get(ctx, "disagg_engine_running_sequences", role="context") == 0
+    assert _get(ctx, "disagg_engine_pinned_transfers", role="context") == 0
+    for m, role in ((ctx, "context"), (gen, "generation")):
+        assert _get(m, "disagg_engine_kv_blocks", role=role, state="used") == 0
+        assert _get(m, "disagg_engine_kv_blocks", role=role, state="free") > 0

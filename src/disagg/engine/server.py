@@ -24,6 +24,8 @@ from aiohttp import web
 from disagg import __version__
 from disagg.engine.handoff import Handoff, Handoffs
 from disagg.engine.kv_cache import BlockManager, OutOfBlocks, SeqBlocks
+from disagg.engine.metrics import CONTENT_TYPE as METRICS_TYPE
+from disagg.engine.metrics import render as render_metrics
 from disagg.engine.model import Model
 from disagg.engine.requests import Job, build_job
 from disagg.engine.scheduler import Event, Scheduler, Sequence
@@ -140,6 +142,7 @@ class Worker:
                 web.get("/health", self.health),
                 web.get("/server_info", self.server_info),
                 web.get("/stats", self.stats),
+                web.get("/metrics", self.metrics),
                 web.post("/kv/fetch", self.kv_fetch),
                 web.post("/kv/release", self.kv_release),
                 web.post("/kv/push", self.kv_push),
@@ -193,19 +196,23 @@ class Worker:
             }
         )
 
-    async def stats(self, _request: web.Request) -> web.Response:
+    async def _stats(self) -> dict[str, Any]:
         stats = await self.scheduler.call(self.scheduler.stats)
-        waiting = len(self.handoffs)
         refused = self.verifier.refused if self.verifier is not None else 0
-        return json_response(
-            {
-                "role": self.settings.role,
-                **stats,
-                "transfers": self.transfers,
-                "handoffs": waiting,
-                "auth_refused": refused,  # requests refused for their internal auth
-            }
-        )
+        return {
+            "role": self.settings.role,
+            **stats,
+            "transfers": dict(self.transfers),
+            "handoffs": len(self.handoffs),
+            "auth_refused": refused,  # requests refused for their internal auth
+        }
+
+    async def stats(self, _request: web.Request) -> web.Response:
+        return json_response(await self._stats())
+
+    async def metrics(self, _request: web.Request) -> web.Response:
+        body = render_metrics(self.settings.role, await self._stats())
+        return web.Response(body=body, headers={"Content-Type": METRICS_TYPE})
 
     async def kv_fetch(self, request: web.Request) -> web.Response:
         data = decode_body(await request.read())

@@ -1,0 +1,64 @@
+"""The reference worker's Prometheus exposition (`GET /metrics`), rendered from one snapshot
+of its figures (the scheduler's stats, KV transfers, waiting handoffs): sequences running and
+waiting, KV blocks free / used / cached / pinned, prefix-cache tokens, transfers by kind.
+Names prefixed `disagg_engine_`. It formats; it reads nothing itself.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+class _Snapshot(Collector):
+    def __init__(self, role: str, stats: dict[str, Any]) -> None:
+        self.role, self.stats = role, stats
+
+    def collect(self) -> Any:
+        s, kv, role = self.stats, self.stats["kv"], [self.role]
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(f"disagg_engine_{name}", doc, labels=["role"])
+            g.add_metric(role, value)
+            return g
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            c = CounterMetricFamily(f"disagg_engine_{name}", doc, labels=["role"])
+            c.add_metric(role, value)
+            return c
+
+        yield gauge("running_sequences", "Sequences in the running batch", s["running"])
+        yield gauge("waiting_sequences", "Sequences waiting for admission", s["waiting"])
+        yield gauge("pinned_transfers", "Context KV pinned for a generation leg", s["pinned"])
+        yield gauge("waiting_handoffs", "generation_first legs waiting for KV", s["handoffs"])
+        blocks = GaugeMetricFamily(
+            "disagg_engine_kv_blocks", "KV blocks by state", labels=["role", "state"]
+        )
+        for state in ("free", "used", "cached"):
+            blocks.add_metric([self.role, state], kv[state])
+        yield blocks
+        yield counter(
+            "prompt_tokens", "Prompt tokens looked up in the prefix cache", kv["queried_tokens"]
+        )
+        yield counter(
+            "prefix_hit_tokens", "Prompt tokens found in the prefix cache", kv["hit_tokens"]
+        )
+        yield counter("steps", "Model forward steps", s["steps"])
+        transfers = CounterMetricFamily(
+            "disagg_engine_kv_transfers", "KV moves by kind", labels=["role", "kind"]
+        )
+        for kind, n in s["transfers"].items():
+            transfers.add_metric([self.role, kind], n)
+        yield transfers
+        yield counter("auth_refused", "Requests refused for their internal auth", s["auth_refused"])
+
+
+def render(role: str, stats: dict[str, Any]) -> bytes:
+    registry = CollectorRegistry()
+    registry.register(_Snapshot(role, stats))
+    return generate_latest(registry)
