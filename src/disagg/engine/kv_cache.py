@@ -358,18 +358,20 @@ class BlockManager:
     def has_events_since(self, event_id: int) -> bool:
         """Whether every event after ``event_id`` is still retained (none was dropped)."""
         with self._events_lock:
-            oldest = self._events[0]["event_id"] if self._events else self._next_event_id
-            return oldest - 1 <= event_id <= self.last_event_id
+            return self._retained(event_id)
+
+    def _retained(self, event_id: int) -> bool:  # under _events_lock
+        oldest = self._events[0]["event_id"] if self._events else self._next_event_id
+        return oldest - 1 <= event_id <= self._next_event_id - 1
 
     def read_events(self, event_id: int) -> tuple[list[dict[str, Any]], int] | None:
         """The events after ``event_id`` and the id of the last one, read at once; safe from
         any thread. None when some were dropped already (the reader needs a snapshot)."""
         with self._events_lock:
-            oldest = self._events[0]["event_id"] if self._events else self._next_event_id
-            last = self._next_event_id - 1
-            if not oldest - 1 <= event_id <= last:
+            if not self._retained(event_id):
                 return None
-            return [dict(e) for e in self._events if e["event_id"] > event_id], last
+            events = [dict(e) for e in self._events if e["event_id"] > event_id]
+            return events, self._next_event_id - 1
 
     def cached_hashes(self) -> list[int]:
         """The hash of every block the cache holds now (used or evictable)."""
