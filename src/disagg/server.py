@@ -42,7 +42,7 @@ from disagg.limits import Limits
 from disagg.openapi import document
 from disagg.orchestrator import Deadlines, Job, Orchestrator
 from disagg.perf_records import PerfRecords
-from disagg.protocol import decode_body, encode_msgpack, validate
+from disagg.protocol import decode_body, validate
 from disagg.retry import RetryPolicy
 from disagg.routing.prompt_tokens import PromptHasher
 from disagg.telemetry import CONTENT_TYPE, Metrics
@@ -330,12 +330,6 @@ class Frontend:
         for key in INTERNAL_FIELDS:
             body.pop(key, None)
         typed: Any = validate(body, endpoint.request_type)
-        try:  # the legs go msgpack-encoded, whose integers are 64-bit
-            encode_msgpack(body)
-        except OverflowError:
-            raise InvalidRequest(
-                "a number in the request is out of range (integers must fit in 64 bits)"
-            ) from None
         ids = self.cache.prompt_ids(typed)
         if ids is None:
             ids = self.counter.ids(typed)

@@ -17,7 +17,13 @@ from typing import Any
 import aiohttp
 import msgspec
 
-from disagg.errors import DisaggError, GatewayTimeout, UpstreamError, WorkerUnavailable
+from disagg.errors import (
+    DisaggError,
+    GatewayTimeout,
+    InvalidRequest,
+    UpstreamError,
+    WorkerUnavailable,
+)
 from disagg.internal_auth import Signer
 from disagg.protocol import encode_msgpack
 
@@ -124,8 +130,14 @@ class WorkerClient:
             self._session = None
 
     def _body(self, url: str, payload: dict[str, Any]) -> tuple[bytes, dict[str, str]]:
-        """A leg's msgpack body and its headers, signed when the cluster has a key."""
-        body = encode_msgpack(payload)
+        """A leg's msgpack body and its headers, signed when the cluster has a key. The body
+        comes from the client: an integer past msgpack's 64 bits is the client's error."""
+        try:
+            body = encode_msgpack(payload)
+        except OverflowError:
+            raise InvalidRequest(
+                "a number in the request is out of range (integers must fit in 64 bits)"
+            ) from None
         if self._signer is None:
             return body, HEADERS
         headers = {**HEADERS, **self._signer.for_url("POST", url, body)}

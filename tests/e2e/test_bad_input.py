@@ -35,6 +35,19 @@ BAD = [
     ),
     ("/v1/completions", b'{"model": "tiny", "prompt": "x", "temperature": -1}', 400, "temperature"),
     ("/v1/completions", b'{"model": "nope", "prompt": "x"}', 404, "model"),
+    # past 64 bits: the legs are msgpack-encoded
+    (
+        "/v1/completions",
+        b'{"model": "tiny", "prompt": "x", "seed": 1180591620717411303424}',
+        400,
+        None,
+    ),
+    (
+        "/v1/completions",
+        b'{"model": "tiny", "prompt": "x", "junk": [-1180591620717411303424]}',
+        400,
+        None,
+    ),
     ("/v1/chat/completions", b'{"model": "tiny"}', 400, "messages"),
     ("/v1/chat/completions", b'{"model": "tiny", "messages": []}', 400, "messages"),
     ("/v1/chat/completions", b'{"model": "tiny", "messages": [{"content": "x"}]}', 400, "messages"),
