@@ -7,11 +7,12 @@ import contextlib
 import os
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import httpx
 import pytest
 import yaml
@@ -61,18 +62,20 @@ def start_cluster(
     extra_ctx: Sequence[str] = (),
     extra_gen: Sequence[str] = (),
     worker_args: Sequence[str] = (),
+    ctx_args: Sequence[str] = (),
+    gen_args: Sequence[str] = (),
     **extra: object,
 ) -> Cluster:
     """Reference workers (plus the `extra_*` URLs, first in their pool) behind an
-    orchestrator; `worker_args` go to every worker's command line; `extra` adds or
-    overrides top-level config keys."""
+    orchestrator; `worker_args` go to every worker's command line (`ctx_args`, `gen_args`
+    to one pool's); `extra` adds or overrides top-level config keys."""
     ctx = [free_port() for _ in range(n_ctx)]
     gen = [free_port() for _ in range(n_gen)]
     port = free_port()
     for p in ctx:
-        procs.start("worker", "--role", "context", "--port", str(p), *worker_args)
+        procs.start("worker", "--role", "context", "--port", str(p), *worker_args, *ctx_args)
     for p in gen:
-        procs.start("worker", "--role", "generation", "--port", str(p), *worker_args)
+        procs.start("worker", "--role", "generation", "--port", str(p), *worker_args, *gen_args)
     config = {
         "hostname": "127.0.0.1",
         "port": port,
@@ -212,6 +215,57 @@ class BrokenWorker:
 
     def __exit__(self, *exc: object) -> None:
         self.loop.call_soon_threadsafe(self._released.set)
+        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+        self.loop.close()
+
+
+class Proxy:
+    """A proxy on loopback in front of a worker, on its own thread: `with Proxy(url) as url`.
+    It keeps each request's headers in `seen` (path, headers), and passes each answer (whole,
+    not streamed) through `rewrite(headers, body)` when given."""
+
+    def __init__(
+        self,
+        target: str,
+        rewrite: Callable[[dict[str, str], bytes], tuple[dict[str, str], bytes]] | None = None,
+    ) -> None:
+        self.target, self.rewrite, self.port = target, rewrite, free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.seen: list[tuple[str, dict[str, str]]] = []
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        app = web.Application()
+        app.router.add_route("*", "/{path:.*}", self._forward)
+        self.runner = web.AppRunner(app)
+
+    async def _forward(self, request: web.Request) -> web.StreamResponse:
+        headers = {k: v for k, v in request.headers.items() if k.lower() != "host"}
+        self.seen.append((request.path, headers))
+        async with (
+            aiohttp.ClientSession(auto_decompress=False) as session,
+            session.request(
+                request.method,
+                self.target + request.path_qs,
+                data=await request.read(),
+                headers=headers,
+            ) as up,
+        ):
+            body = await up.read()
+            out = {k: v for k, v in up.headers.items() if k.lower().startswith(("x-", "content-t"))}
+            if self.rewrite is not None:
+                out, body = self.rewrite(out, body)
+            return web.Response(body=body, status=up.status, headers=out)
+
+    def __enter__(self) -> str:
+        self.loop.run_until_complete(self.runner.setup())
+        site = web.TCPSite(self.runner, "127.0.0.1", self.port)
+        self.loop.run_until_complete(site.start())
+        self.thread.start()
+        return self.url
+
+    def __exit__(self, *exc: object) -> None:
         asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(10)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(5)

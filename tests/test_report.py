@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from disagg.report import SPANS, draw, load, spans
+from disagg.report import SPANS, draw, load, medians, spans
 
 FULL = {
     "request_id": "a",
@@ -27,6 +27,15 @@ def test_spans() -> None:
     local = {"generation_accepted_ms": 40.0, "first_token_ms": 41.0, "last_token_ms": 90.0}
     assert spans(local) == [0.0, 0.0, 40.0, 1.0, 49.0]  # no context leg
     assert len(spans(FULL)) == len(SPANS)
+    # The workers' own steps, when the record has them, place the span ends.
+    timed = {
+        **FULL,
+        "context_worker_scheduled_ms": 3.0,
+        "context_worker_first_token_ms": 45.0,
+        "generation_worker_kv_transfer_end_ms": 58.0,
+    }
+    assert spans(timed) == [3.0, 42.0, 13.0, 4.0, 238.0]
+    assert medians([FULL, timed])[0] == ("queue + routing", 2.0)
 
 
 def test_draws_a_png(tmp_path: Path) -> None:

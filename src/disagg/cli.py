@@ -49,6 +49,7 @@ def _worker(args: argparse.Namespace) -> int:
         internal_auth_key=key,
         auth_replay_window_s=args.auth_replay_window,
         ssl_ca_file=args.ssl_ca_file,
+        clock_offset_s=args.clock_offset,
     )
     worker = Worker(model, tokenizer, settings)
     logging.getLogger("disagg").info("%s worker for %s on %s", args.role, name, advertise)
@@ -195,6 +196,12 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument(
         "--ssl-ca-file", default=None, help="CA of the other workers' https URLs (KV transfer)"
     )
+    w.add_argument(
+        "--clock-offset",
+        type=float,
+        default=0.0,
+        help="for tests: seconds added to the times this worker reports for its legs",
+    )
     w.set_defaults(func=_worker)
 
     s = sub.add_parser("serve", help="run the orchestrator")
@@ -223,7 +230,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _report(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from disagg.report import draw, load
+    from disagg.report import draw, load, medians
 
     try:
         records = load(Path(args.perf_json))
@@ -234,7 +241,9 @@ def _report(args: argparse.Namespace) -> int:
     except (OSError, ValueError, KeyError) as exc:
         print(f"disagg report: {exc}", file=sys.stderr)
         return 2
-    print(f"{args.output}: {len(records)} requests")
+    print(f"{args.output}: {len(records)} requests; median ms per span:")
+    for label, ms in medians(records):
+        print(f"  {label:<24}{ms:10.2f}")
     return 0
 
 

@@ -66,6 +66,7 @@ _TRTLLM_KEYS = frozenset(
         "port",
         "max_retries",
         "perf_metrics_max_requests",
+        "otlp_config",
         "schedule_style",
         "conditional_disagg_config",
         "router",
@@ -76,7 +77,6 @@ _TRTLLM_KEYS = frozenset(
 # Disagg-server keys of TensorRT-LLM that disagg accepts and ignores.
 _TRTLLM_IGNORED = frozenset(
     {
-        "otlp_config",
         "disagg_cluster",
         "node_id",
         "return_perf_metrics",
@@ -192,6 +192,7 @@ _OWN_KEYS = frozenset(
         "queue_timeout",
         "kv_events_interval",
         "generation_first_transfer",
+        "request_perf_metrics",
         # security (see `Secrets` and the limits in ClusterConfig)
         "api_keys_file",
         "admin_key_file",
@@ -271,6 +272,10 @@ class ClusterConfig:
     # the orchestrator tells that worker where to pull it (push falls back to pull by itself).
     generation_first_transfer: str = "push"
     perf_metrics_max_requests: int = 0
+    # Ask each worker for its timing of the leg (GET /perf_metrics then has both legs' steps).
+    request_perf_metrics: bool = False
+    # OpenTelemetry: where traces go over OTLP/HTTP (TensorRT-LLM's otlp_config key).
+    otlp_traces_endpoint: str | None = None
     worker_startup_timeout: float = 60.0
     health_check_interval: float = 2.0
     request_timeout: float = 180.0
@@ -544,7 +549,7 @@ def _parse_conditional(value: Any, path: str) -> ConditionalDisaggConfig | None:
 
 def _check_ignored(top: Mapping[str, Any]) -> None:
     """Keys disagg ignores still get the shape check TensorRT-LLM gives them."""
-    for key in ("otlp_config", "disagg_cluster"):
+    for key in ("disagg_cluster",):
         if top.get(key) is not None:
             _mapping(top[key], key)
     if top.get("node_id") is not None:
@@ -567,6 +572,16 @@ def _server_fields(top: Mapping[str, Any]) -> dict[str, Any]:
         fields["perf_metrics_max_requests"] = _int(value, "perf_metrics_max_requests")
     if top.get("schedule_style") is not None:
         fields["schedule_style"] = _choice(top["schedule_style"], "schedule_style", SCHEDULE_STYLES)
+    if top.get("otlp_config") is not None:
+        otlp = _mapping(top["otlp_config"], "otlp_config")
+        _check_keys(otlp, frozenset({"otlp_traces_endpoint"}), "otlp_config")
+        endpoint = otlp.get("otlp_traces_endpoint")
+        if endpoint is not None:
+            path = "otlp_config.otlp_traces_endpoint"
+            endpoint = _str(endpoint, path)
+            if not endpoint.startswith(("http://", "https://")):
+                raise ConfigError(path, f"expected an http(s) URL, got {endpoint!r}")
+            fields["otlp_traces_endpoint"] = endpoint
     fields["conditional_disagg"] = _parse_conditional(
         top.get("conditional_disagg_config"), "conditional_disagg_config"
     )
@@ -660,11 +675,12 @@ def _own_fields(top: Mapping[str, Any]) -> dict[str, Any]:
                 "failure_policy_header", f"expected true or false, got {_kind(value)}"
             )
         fields["failure_policy_header"] = value
-    if "disable_retries" in top:
-        value = top["disable_retries"]
-        if not isinstance(value, bool):
-            raise ConfigError("disable_retries", f"expected true or false, got {_kind(value)}")
-        fields["disable_retries"] = value
+    for key in ("disable_retries", "request_perf_metrics"):
+        if key in top:
+            value = top[key]
+            if not isinstance(value, bool):
+                raise ConfigError(key, f"expected true or false, got {_kind(value)}")
+            fields[key] = value
     if "log_level" in top:
         level = top["log_level"]
         fields["log_level"] = _choice(
@@ -787,6 +803,8 @@ def config_to_dict(cfg: ClusterConfig) -> dict[str, Any]:
         "schedule_style": cfg.schedule_style,
         "perf_metrics_max_requests": cfg.perf_metrics_max_requests,
     }
+    if cfg.otlp_traces_endpoint is not None:
+        out["otlp_config"] = {"otlp_traces_endpoint": cfg.otlp_traces_endpoint}
     if cfg.conditional_disagg is not None:
         limit = cfg.conditional_disagg.max_local_prefill_length
         out["conditional_disagg_config"] = {"max_local_prefill_length": limit}
@@ -808,6 +826,7 @@ def config_to_dict(cfg: ClusterConfig) -> dict[str, Any]:
         "stream_idle_timeout": cfg.stream_idle_timeout,
         "retry_interval": cfg.retry_interval,
         "disable_retries": cfg.disable_retries,
+        "request_perf_metrics": cfg.request_perf_metrics,
         "on_generation_failure": cfg.on_generation_failure,
         "generation_first_transfer": cfg.generation_first_transfer,
         "breaker_failures": cfg.breaker_failures,

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import aiohttp
 
+from disagg.clock_offsets import ClockOffsets
 from disagg.cluster import WorkerState
 from disagg.endpoints import ContextOutcome, Endpoint
 from disagg.errors import (
@@ -36,6 +37,8 @@ from disagg.errors import (
     WorkerUnavailable,
 )
 from disagg.formats import DONE, sse_data
+from disagg.leg_timing import EVENT_PREFIX, split_event
+from disagg.perf_records import LegRecord
 from disagg.retry import RetryBudget, RetryPolicy, retryable
 from disagg.routing import Policy, Reservation, RouteRequest
 from disagg.upstream import UpstreamStream, WorkerClient
@@ -59,10 +62,26 @@ class Route:
     # When the legs that served it were sent and answered (time.monotonic(); the last
     # attempt's): context_sent, context_done, generation_sent, generation_accepted.
     times: dict[str, float] = field(default_factory=dict)
+    legs: dict[str, LegRecord] = field(default_factory=dict)  # "context", "generation"
     deadline: float = float("inf")  # loop time by which the whole request must be done
     # The context leg's worker: its breaker's verdict waits until its KV reached the
     # generation worker (an answer whose KV cannot be pulled is no success).
     context_worker: WorkerState | None = field(default=None, repr=False)
+    # Time with a worker call (or a retry pause, or a client write) outstanding: the rest of
+    # the request's time is the orchestrator's own.
+    waited_s: float = 0.0
+    _waits: int = field(default=0, repr=False)
+    _wait_began: float = field(default=0.0, repr=False)
+
+    def wait_begins(self) -> None:
+        if self._waits == 0:
+            self._wait_began = time.monotonic()
+        self._waits += 1
+
+    def wait_ends(self) -> None:
+        self._waits -= 1
+        if self._waits == 0:
+            self.waited_s += time.monotonic() - self._wait_began
 
     def left(self, limit_s: float) -> float:
         """`limit_s`, cut to what is left of the request's deadline (never 0, which the
@@ -238,7 +257,11 @@ class Orchestrator:
 
     async def _pause(self, exc: DisaggError, route: Route) -> None:
         log.info("retrying after %s: %s", type(exc).__name__, exc.message)
-        await asyncio.sleep(route.left(self.retry.interval_s))
+        route.wait_begins()
+        try:
+            await asyncio.sleep(route.left(self.retry.interval_s))
+        finally:
+            route.wait_ends()
 
     async def _context_leg(
         self,
@@ -277,10 +300,17 @@ class Orchestrator:
         try:
             payload = endpoint.context_request(body, self.next_id(), push)
             sent = route.times["context_sent"] = time.monotonic()
-            resp = await self.client.post(
-                reservation.worker.url, endpoint.path, payload, route.left(self.deadlines.context_s)
-            )
+            leg = route.legs["context"] = LegRecord(reservation.worker.url, sent)
+            route.wait_begins()
+            try:
+                resp = await self.client.post(
+                    leg.url, endpoint.path, payload, route.left(self.deadlines.context_s), leg
+                )
+            finally:
+                route.wait_ends()
             route.times["context_done"] = done = time.monotonic()
+            if leg.first_byte is not None:
+                route.times["context_first_byte"] = leg.first_byte
             route.context_s = done - sent
             ctx = await self._context_outcome(endpoint, body, resp, route)
         except BaseException as exc:
@@ -391,13 +421,17 @@ class Orchestrator:
         its stream once the worker accepted it, which it does only once it holds the KV."""
         url, path = reservation.worker.url, job.endpoint.path
         opened: dict[str, Any] | UpstreamStream
-        route.times["generation_sent"] = time.monotonic()
+        sent = route.times["generation_sent"] = time.monotonic()
+        leg = route.legs["generation"] = LegRecord(url, sent)
+        route.wait_begins()
         try:
             if job.stream:
-                opened = await self.client.open_stream(url, path, payload, route.left(first_byte_s))
+                opened = await self.client.open_stream(
+                    url, path, payload, route.left(first_byte_s), leg
+                )
             else:
                 opened = await self.client.post(
-                    url, path, payload, route.left(self.deadlines.request_s)
+                    url, path, payload, route.left(self.deadlines.request_s), leg
                 )
                 reservation.judge(True)
                 reservation.finish(True)
@@ -408,6 +442,8 @@ class Orchestrator:
                 _judge(reservation, exc)
             reservation.finish(False)
             raise
+        finally:
+            route.wait_ends()
         route.times["generation_accepted"] = time.monotonic()
         _judge_context(route, True)
         return opened
@@ -427,7 +463,8 @@ class Orchestrator:
             reservation,
             lambda: self._release_context_kv(route, ctx),
             self.deadlines.stream_idle_s,
-            route.deadline,
+            route,
+            self.client.offsets,
         )
         return Result(route, chunks=relay.chunks(), close=relay.close)
 
@@ -479,6 +516,7 @@ class Orchestrator:
             "encoded_opaque_state": ctx.params.get("encoded_opaque_state"),
             "ctx_usage": ctx.usage,
         }
+        route.wait_begins()
         try:
             await self.client.post(
                 early.url, "/kv/handoff", body, route.left(self.deadlines.first_token_s)
@@ -486,6 +524,8 @@ class Orchestrator:
         except DisaggError as exc:
             log.info("generation_first handoff to %s failed: %s", early.url, exc.message)
             return False
+        finally:
+            route.wait_ends()
         return True
 
     def _release_context_kv(self, route: Route, ctx: ContextOutcome | None) -> None:
@@ -569,11 +609,15 @@ class _Relay:
         reservation: Reservation,
         on_failure: Callable[[], None],
         idle_s: float,
-        deadline: float,
+        route: Route,
+        offsets: ClockOffsets | None = None,
     ) -> None:
+        """`offsets`: the worker ends the stream with its leg timing event, which is taken
+        out into the route's generation `LegRecord`."""
         self.upstream, self.reservation = upstream, reservation
         self.on_failure = on_failure  # frees the context KV if the worker never fetched it
-        self.idle_s, self.deadline = idle_s, deadline
+        self.idle_s, self.route, self.deadline = idle_s, route, route.deadline
+        self.offsets = offsets
         self.ok = False
         self._released = False
 
@@ -582,19 +626,26 @@ class _Relay:
         break mid-event, the client must not get half an event glued to the error event."""
         loop = asyncio.get_running_loop()
         pending = b""
+        route = self.route
         try:
             while True:
                 left = self.deadline - loop.time()
-                chunk = await self.upstream.next_chunk(max(0.0, min(self.idle_s, left)))
+                route.wait_begins()
+                try:
+                    chunk = await self.upstream.next_chunk(max(0.0, min(self.idle_s, left)))
+                finally:
+                    route.wait_ends()
                 if not chunk:
                     break
                 pending += chunk
                 end = _events_end(pending)
                 if end:
-                    yield pending[:end]
+                    out = self._untimed(pending[:end]) if self.offsets else pending[:end]
                     pending = pending[end:]
+                    if out:
+                        yield out
             if pending:
-                yield pending
+                yield self._untimed(pending) if self.offsets else pending
             self.ok = True
             self.reservation.judge(True)
         except (aiohttp.ClientError, TimeoutError) as exc:
@@ -605,6 +656,16 @@ class _Relay:
             self._release()
             yield sse_data(_stream_error(exc, self.deadline - loop.time()).body())
             yield DONE
+
+    def _untimed(self, events: bytes) -> bytes:
+        """`events` without the worker's timing event, which goes to the leg's record."""
+        if EVENT_PREFIX not in events:
+            return events
+        events, data = split_event(events)
+        leg = self.route.legs.get("generation")
+        if leg is not None and self.offsets is not None:
+            leg.report(data, self.offsets)
+        return events
 
     async def close(self) -> None:
         """The stream is over, relayed or not (the client may have left mid-way)."""

@@ -1,22 +1,26 @@
 """`disagg report perf.json -o report.png`: where the time of each request went, from the
 records of `GET /perf_metrics` — stacked bars per request (queue, prefill, KV transfer,
-decode) and the CDFs of time to first token and end-to-end latency. Reads a file, draws a
-PNG with matplotlib (the `plot` extra); nothing else.
+decode) and the CDFs of time to first token and end-to-end latency — and a table of each
+span's median. Spans use the workers' own steps where the records have them
+(`request_perf_metrics`), else the orchestrator's. Reads a file, draws a PNG with matplotlib
+(the `plot` extra); nothing else.
 """
 
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 from typing import Any
 
-# (label, from step, to step): spans of a record, in ms after arrival
+# (label, where it ends: the first of these steps a record has), in ms after arrival; each
+# span starts where the one before ended.
 SPANS = (
-    ("queue + routing", None, "context_sent_ms"),
-    ("prefill (context leg)", "context_sent_ms", "context_done_ms"),
-    ("handoff + KV transfer", "context_done_ms", "generation_accepted_ms"),
-    ("to first token", "generation_accepted_ms", "first_token_ms"),
-    ("decode", "first_token_ms", "last_token_ms"),
+    ("queue + routing", ("context_worker_scheduled_ms", "context_sent_ms")),
+    ("prefill (context leg)", ("context_worker_first_token_ms", "context_done_ms")),
+    ("handoff + KV transfer", ("generation_worker_kv_transfer_end_ms", "generation_accepted_ms")),
+    ("to first token", ("first_token_ms",)),
+    ("decode", ("last_token_ms",)),
 )
 COLORS = ("#9e9e9e", "#1f77b4", "#ff7f0e", "#bcbd22", "#2ca02c")
 
@@ -33,14 +37,20 @@ def load(path: Path) -> list[dict[str, Any]]:
 def spans(record: dict[str, Any]) -> list[float]:
     """Each span's ms; a step the request skipped (no context leg, say) gives 0."""
     out, at = [], 0.0
-    for _, _start, end in SPANS:
-        value = record.get(end)
+    for _, ends in SPANS:
+        value = next((record[k] for k in ends if record.get(k) is not None), None)
         if value is None:
             out.append(0.0)
             continue
         out.append(max(0.0, float(value) - at))
-        at = float(value)
+        at = max(at, float(value))
     return out
+
+
+def medians(records: list[dict[str, Any]]) -> list[tuple[str, float]]:
+    """Each span's median ms over `records`."""
+    rows = [spans(r) for r in records]
+    return [(label, statistics.median(r[i] for r in rows)) for i, (label, _) in enumerate(SPANS)]
 
 
 def draw(records: list[dict[str, Any]], out: Path, title: str = "disagg requests") -> None:
@@ -55,7 +65,7 @@ def draw(records: list[dict[str, Any]], out: Path, title: str = "disagg requests
     rows = [spans(r) for r in records]
     bottom = [0.0] * len(rows)
     xs = range(len(rows))
-    for i, (label, _, _) in enumerate(SPANS):
+    for i, (label, _) in enumerate(SPANS):
         heights = [row[i] for row in rows]
         bars.bar(xs, heights, bottom=bottom, color=COLORS[i], label=label, width=0.85)
         bottom = [b + h for b, h in zip(bottom, heights, strict=True)]

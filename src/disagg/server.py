@@ -24,6 +24,7 @@ from aiohttp import web
 from disagg.admission import Admission
 from disagg.cache_aware import CacheAwareRouting, StartupError
 from disagg.client_auth import ClientAuth
+from disagg.clock_offsets import ClockOffsets
 from disagg.cluster import BreakerSettings, Cluster, HealthMonitor, StaticDiscovery, Thresholds
 from disagg.config import GENERATION_FAILURE_POLICIES, PREFILL_FAILURE_POLICIES, ClusterConfig
 from disagg.endpoints import ENDPOINTS, Endpoint
@@ -105,7 +106,10 @@ class Frontend:
             BreakerSettings(config.breaker_failures, config.breaker_cooldown),
         )
         self.tls = client_tls(config.worker_ca_bundle)
-        self.client = WorkerClient(config.connect_timeout, signer_for(config), self.tls)
+        self.offsets = ClockOffsets() if config.request_perf_metrics else None
+        self.client = WorkerClient(
+            config.connect_timeout, signer_for(config), self.tls, self.offsets
+        )
         self.cache = CacheAwareRouting(config, self.cluster)
         self.auth = ClientAuth(config.secrets.api_keys, config.secrets.admin_key)
         self.limits = Limits(config)
@@ -269,6 +273,9 @@ class Frontend:
                 metrics.in_flight.dec()
                 metrics.requests.labels(kind, f"{status // 100}xx").inc()
                 metrics.duration.labels(kind).observe(took)
+                route = request.get("route")
+                if route is not None:
+                    metrics.observe_route(route, kind, took, request.get("stream", False))
                 self._log_request(request, kind, status, took)
                 self._record(request, kind, status)
 
@@ -291,7 +298,7 @@ class Frontend:
             "cached_tokens": route.cached_tokens,
             "retries": route.retries,
         }
-        self.perf.add(request["started"], times, info)
+        self.perf.add(request["started"], times, info, route.legs, self.offsets)
 
     def _log_request(self, request: web.Request, kind: str, status: int, took: float) -> None:
         if not access.isEnabledFor(logging.INFO):
@@ -361,6 +368,7 @@ class Frontend:
             raise ServiceUnavailable("the orchestrator is shutting down; retry elsewhere")
         self.auth.check_client(request.headers)
         body, typed, ids = self._parse(await self._read(request), endpoint)
+        request["stream"] = bool(typed.stream)
         opts = getattr(typed, "stream_options", None)
         include_usage = bool(opts and opts.include_usage) or endpoint.path == "/v1/responses"
         job = Job(
@@ -397,10 +405,14 @@ class Frontend:
     ) -> None:
         """Write the stream's chunks, timing the first (from the request's start) and the
         gaps between the others."""
-        metrics, last = self.metrics, request["started"]
+        metrics, last, route = self.metrics, request["started"], request["route"]
         first = True
         async for chunk in chunks:
-            await resp.write(chunk)
+            route.wait_begins()  # a slow client is not the orchestrator's time
+            try:
+                await resp.write(chunk)
+            finally:
+                route.wait_ends()
             now = time.monotonic()
             if first:
                 metrics.ttft.labels(request["endpoint"]).observe(now - last)
@@ -419,9 +431,6 @@ class Frontend:
                 self.cache.hashers["context"].block_size,
             )
         request["route"] = result.route
-        self.metrics.retries.inc(result.route.retries)
-        if result.route.context_s:
-            self.metrics.context_leg.observe(result.route.context_s)
         headers = {REQUEST_ID_HEADER: request.get("request_id", "")}
         if not self.auth.clients_need_keys or self.auth.is_admin(request.headers):
             headers["x-disagg-route"] = result.route.header()

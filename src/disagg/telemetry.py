@@ -16,6 +16,7 @@ from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
     from disagg.cluster import Cluster
+    from disagg.orchestrator import Route
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -55,6 +56,13 @@ class Metrics:
         self.mispredictions = Counter(
             "disagg_cache_mispredictions",
             "Context legs whose cached tokens were off the prediction by more than a block",
+            registry=self.registry,
+        )
+        self.cached_tokens = Counter(
+            "disagg_cached_prompt_tokens",
+            "Prompt tokens of context legs found cached: predicted by the prefix index, or"
+            " actual as the worker reported",
+            ["source"],  # predicted | actual
             registry=self.registry,
         )
 
@@ -99,13 +107,51 @@ class Metrics:
             buckets=_LATENCY_BUCKETS,
             registry=registry,
         )
+        self.generation_wait = Histogram(
+            "disagg_generation_leg_wait_seconds",
+            "Streamed generation legs: sent until the worker holds the KV and starts"
+            " answering (its queue and the KV transfer)",
+            buckets=_LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.kv_transfer = Histogram(
+            "disagg_kv_transfer_seconds",
+            "KV transfer as the generation worker reported it (request_perf_metrics)",
+            buckets=_WAIT_BUCKETS,
+            registry=registry,
+        )
+        self.overhead = Histogram(
+            "disagg_orchestrator_overhead_seconds",
+            "Time of a request spent in disagg itself: its duration less the time a worker"
+            " call, a retry pause or a client write was outstanding",
+            ["endpoint"],
+            buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1),
+            registry=registry,
+        )
 
     def watch(self, cluster: Cluster, policies: dict[str, str]) -> None:
         """Per-worker figures, read from `cluster` at each scrape; `policies`: pool ->
         router type, for the routing-decision counts."""
         self.registry.register(_WorkerCollector(cluster, policies))
 
+    def observe_route(self, route: Route, endpoint: str, took: float, streamed: bool) -> None:
+        """A request that got a route is done (`took`: its whole duration)."""
+        self.retries.inc(route.retries)
+        if route.context_s:
+            self.context_leg.observe(route.context_s)
+        times = route.times
+        if streamed and "generation_accepted" in times:
+            self.generation_wait.observe(times["generation_accepted"] - times["generation_sent"])
+        gen = route.legs.get("generation")
+        if gen is not None and gen.timing is not None:
+            t = gen.timing
+            if t.kv_transfer_start is not None and t.kv_transfer_end is not None:
+                self.kv_transfer.observe(t.kv_transfer_end - t.kv_transfer_start)
+        self.overhead.labels(endpoint).observe(max(0.0, took - route.waited_s))
+
     def observe_prediction(self, predicted: int, actual: int, block_size: int) -> None:
+        self.cached_tokens.labels("predicted").inc(predicted)
+        self.cached_tokens.labels("actual").inc(actual)
         error = abs(predicted - actual)
         self.prediction_error.observe(error)
         if error > block_size:

@@ -4,6 +4,8 @@ and streamed SSE bytes relayed as they arrive.
 Upstream sends and receives; it never decides placement. Worker error statuses become
 `UpstreamError`, broken connections `WorkerUnavailable`. With a `Signer`, every POST is
 signed (see `internal_auth`), and legs naming their KV carry TensorRT-LLM's header too.
+With `ClockOffsets`, every leg asks its worker for its timing (see `leg_timing`), which goes
+into the leg's `LegRecord` with the time its answer's first byte came.
 """
 
 from __future__ import annotations
@@ -12,11 +14,13 @@ import asyncio
 import errno
 import logging
 import ssl
+import time
 from typing import Any
 
 import aiohttp
 import msgspec
 
+from disagg.clock_offsets import ClockOffsets
 from disagg.errors import (
     DisaggError,
     GatewayTimeout,
@@ -25,6 +29,9 @@ from disagg.errors import (
     WorkerUnavailable,
 )
 from disagg.internal_auth import Signer
+from disagg.leg_timing import REQUEST_HEADER as TIMING_REQUEST
+from disagg.leg_timing import RESPONSE_HEADER as TIMING_HEADER
+from disagg.perf_records import LegRecord
 from disagg.protocol import encode_msgpack
 
 log = logging.getLogger(__name__)
@@ -102,10 +109,13 @@ class WorkerClient:
         connect_timeout_s: float = 5.0,
         signer: Signer | None = None,
         tls: ssl.SSLContext | bool = True,
+        offsets: ClockOffsets | None = None,
     ) -> None:
-        """`tls`: how https:// workers are verified (a context with the cluster's CA)."""
+        """`tls`: how https:// workers are verified (a context with the cluster's CA);
+        `offsets`: ask workers for leg timing, and estimate their clocks with it."""
         self._connect_s, self._tls = connect_timeout_s, tls
         self._signer = signer
+        self.offsets = offsets
         # A busy worker's scheduler may take a while to answer; nobody waits for it.
         self._release_timeout = aiohttp.ClientTimeout(total=10.0, sock_connect=connect_timeout_s)
         self._session: aiohttp.ClientSession | None = None
@@ -138,14 +148,20 @@ class WorkerClient:
             raise InvalidRequest(
                 "a number in the request is out of range (integers must fit in 64 bits)"
             ) from None
+        headers = HEADERS if self.offsets is None else {**HEADERS, TIMING_REQUEST: "1"}
         if self._signer is None:
-            return body, HEADERS
-        headers = {**HEADERS, **self._signer.for_url("POST", url, body)}
+            return body, headers
+        headers = {**headers, **self._signer.for_url("POST", url, body)}
         headers.update(self._signer.trtllm(payload.get("disaggregated_params")))
         return body, headers
 
     async def post(
-        self, url: str, path: str, payload: dict[str, Any], timeout_s: float
+        self,
+        url: str,
+        path: str,
+        payload: dict[str, Any],
+        timeout_s: float,
+        record: LegRecord | None = None,
     ) -> dict[str, Any]:
         """POST a leg and return its JSON answer within `timeout_s`."""
         timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=self._connect_s)
@@ -154,6 +170,10 @@ class WorkerClient:
             async with self.session.post(
                 url + path, data=body, headers=headers, timeout=timeout
             ) as resp:
+                if record is not None:
+                    record.first_byte = time.monotonic()
+                    if self.offsets is not None and resp.status == 200:
+                        record.report(resp.headers.get(TIMING_HEADER), self.offsets)
                 raw = await resp.read()
                 if resp.status != 200:
                     raise worker_error(resp.status, raw)
@@ -171,7 +191,12 @@ class WorkerClient:
         return data
 
     async def open_stream(
-        self, url: str, path: str, payload: dict[str, Any], first_byte_s: float
+        self,
+        url: str,
+        path: str,
+        payload: dict[str, Any],
+        first_byte_s: float,
+        record: LegRecord | None = None,
     ) -> UpstreamStream:
         """POST a streamed leg; returns once the worker accepted it (status 200), which must
         happen within `first_byte_s`. Chunk deadlines are the reader's business."""
@@ -186,6 +211,8 @@ class WorkerClient:
             raise GatewayTimeout(f"worker {url} did not answer in time") from None
         except aiohttp.ClientError as exc:
             raise connection_error(url, exc) from None
+        if record is not None:
+            record.first_byte = time.monotonic()
         if resp.status != 200:
             try:
                 raw = await resp.read()

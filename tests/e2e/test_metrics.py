@@ -1,7 +1,8 @@
 """/metrics after known requests: the request counters by endpoint and status class, the
 latency histograms (end to end, time to first token and between tokens for streams, the
-context leg), retries, and the per-worker figures (ready, breaker state, legs placed by
-policy) move exactly as the requests say."""
+context leg, the generation leg's wait, the orchestrator's own overhead), retries, the
+cache prediction, and the per-worker figures (ready, breaker state, legs placed by policy)
+move exactly as the requests say; so do a reference worker's (steps, KV moved)."""
 
 from __future__ import annotations
 
@@ -60,6 +61,12 @@ def test_metrics_follow_known_requests(procs: Procs, tmp_path: Path) -> None:
     assert _get(m, "disagg_time_to_first_token_seconds_count", endpoint="completions") == 0
     assert _get(m, "disagg_inter_token_latency_seconds_count") >= 2
     assert _get(m, "disagg_context_leg_seconds_count") == 5
+    assert _get(m, "disagg_generation_leg_wait_seconds_count") == 2  # the streamed legs
+    assert _get(m, "disagg_orchestrator_overhead_seconds_count", endpoint="completions") == 3
+    assert _get(m, "disagg_orchestrator_overhead_seconds_count", endpoint="chat") == 2
+    # Its own time is a small part of a request's (loopback workers, a tiny model).
+    overhead = _sum(m, "disagg_orchestrator_overhead_seconds_sum")
+    assert 0 < overhead < _sum(m, "disagg_request_duration_seconds_sum") / 2
     assert _get(m, "disagg_retries_total") == 0
     assert _get(m, "disagg_in_flight_requests") == 0
     picks = "disagg_routing_decisions_total"
@@ -93,3 +100,13 @@ def test_worker_metrics(procs: Procs, tmp_path: Path) -> None:
     for m, role in ((ctx, "context"), (gen, "generation")):
         assert _get(m, "disagg_engine_kv_blocks", role=role, state="used") == 0
         assert _get(m, "disagg_engine_kv_blocks", role=role, state="free") > 0
+    # The context worker prefilled; of the 4 tokens the first came with the KV, and each of
+    # the other 3 took the generation worker one decode step.
+    assert _get(ctx, "disagg_engine_step_seconds_count", role="context", kind="prefill") >= 1
+    assert _sum(ctx, "disagg_engine_step_seconds_count", kind="decode") == 0
+    assert _get(gen, "disagg_engine_step_seconds_count", role="generation", kind="decode") == 3
+    assert _sum(gen, "disagg_engine_step_seconds_count", kind="prefill") == 0
+    moved = "disagg_engine_kv_transfer_bytes_total"
+    sent = _get(ctx, moved, role="context", direction="out")
+    assert sent > 0 and _get(gen, moved, role="generation", direction="in") == sent
+    assert _get(gen, "disagg_engine_kv_transfer_seconds_count", role="generation") == 1

@@ -9,6 +9,7 @@ only when the KV is safe. Matching and waiting only: no HTTP, no model work.
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,6 +28,7 @@ class Handoff:
     ctx_usage: dict[str, Any] | None = None
     payload: KVPayload | None = None
     state: OpaqueState | None = None
+    arrived: float = field(default_factory=time.perf_counter)  # when its handler began
     # set by the waiting leg once it stored the KV (or with why it could not)
     stored: asyncio.Future[None] = field(
         default_factory=lambda: asyncio.get_running_loop().create_future()

@@ -1,14 +1,15 @@
-"""The reference worker's Prometheus exposition (`GET /metrics`), rendered from one snapshot
-of its figures (the scheduler's stats, KV transfers, waiting handoffs): sequences running and
-waiting, KV blocks free / used / cached / pinned, prefix-cache tokens, transfers by kind.
-Names prefixed `disagg_engine_`. It formats; it reads nothing itself.
+"""The reference worker's Prometheus exposition (`GET /metrics`): one snapshot of its figures
+(the scheduler's stats, KV transfers, waiting handoffs: sequences running and waiting, KV
+blocks free / used / cached / pinned, prefix-cache tokens, transfers by kind), and the
+histograms it is told of as they happen (forward step times, KV transfer sizes and times).
+Names prefixed `disagg_engine_`. It records and formats; it reads nothing itself.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -58,7 +59,48 @@ class _Snapshot(Collector):
         yield counter("auth_refused", "Requests refused for their internal auth", s["auth_refused"])
 
 
-def render(role: str, stats: dict[str, Any]) -> bytes:
-    registry = CollectorRegistry()
-    registry.register(_Snapshot(role, stats))
-    return generate_latest(registry)
+_STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+_TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 5)
+
+
+class EngineMetrics:
+    """What happens between scrapes. Thread-safe: the scheduler thread reports its steps."""
+
+    def __init__(self, role: str) -> None:
+        self.role = role
+        self.registry = CollectorRegistry()
+        self.steps = Histogram(
+            "disagg_engine_step_seconds",
+            "Model forward steps, by kind (prefill, decode, or mixed)",
+            ["role", "kind"],
+            buckets=_STEP_BUCKETS,
+            registry=self.registry,
+        )
+        self.transfer_s = Histogram(
+            "disagg_engine_kv_transfer_seconds",
+            "KV moved into this worker (fetched or pushed in): start to stored",
+            ["role"],
+            buckets=_TRANSFER_BUCKETS,
+            registry=self.registry,
+        )
+        self.transfer_bytes = Counter(
+            "disagg_engine_kv_transfer_bytes",
+            "KV bytes moved, by direction (in: received, out: served or pushed)",
+            ["role", "direction"],
+            registry=self.registry,
+        )
+
+    def step(self, kind: str, seconds: float) -> None:
+        self.steps.labels(self.role, kind).observe(seconds)
+
+    def moved_in(self, nbytes: int, seconds: float) -> None:
+        self.transfer_bytes.labels(self.role, "in").inc(nbytes)
+        self.transfer_s.labels(self.role).observe(seconds)
+
+    def moved_out(self, nbytes: int) -> None:
+        self.transfer_bytes.labels(self.role, "out").inc(nbytes)
+
+    def render(self, stats: dict[str, Any]) -> bytes:
+        snapshot = CollectorRegistry()
+        snapshot.register(_Snapshot(self.role, stats))
+        return generate_latest(snapshot) + generate_latest(self.registry)

@@ -70,6 +70,8 @@ class Sequence:
     aborted: bool = False
     error: str | None = None  # set with `aborted` when the engine, not the client, ended it
     rng: np.random.Generator = field(default_factory=np.random.default_rng)
+    # When its leg's timing is asked for: steps by name, on the worker's reporting clock.
+    times: dict[str, float] | None = None
 
 
 class StopCheck:
@@ -96,8 +98,13 @@ class Scheduler:
         *,
         max_batched_tokens: int = 256,
         lease_s: float = 30.0,
+        clock: Callable[[], float] = time.time,
+        on_step: Callable[[str, float], None] | None = None,
     ) -> None:
+        """`clock`: the time sequences' steps are reported in; `on_step(kind, seconds)`: told
+        each forward step's duration, kind "prefill", "decode" or "mixed"."""
         self.model, self.tokenizer, self.bm = model, tokenizer, blocks
+        self.clock, self.on_step = clock, on_step
         self.max_batched_tokens = max_batched_tokens
         self.lease_s = lease_s
         self.waiting: deque[Sequence] = deque()
@@ -225,8 +232,12 @@ class Scheduler:
                 batch.append(seq)
                 budget -= len(item.token_ids)
         if items:
+            kind = _step_kind(batch, items)
+            started = time.perf_counter()
             logits = self.model.forward(items, self.bm.kv)
             self.steps += 1
+            if self.on_step is not None:
+                self.on_step(kind, time.perf_counter() - started)
             for seq, item, row in zip(batch, items, logits, strict=True):
                 self._advance(seq, item, row)
         return blocked
@@ -274,6 +285,8 @@ class Scheduler:
             reserved += self._growth(seq)
             self.waiting.remove(seq)
             self.running.append(seq)
+            if seq.times is not None:
+                seq.times["scheduled"] = self.clock()
             if seq.output_ids:  # generation_only: the first tokens came from the context leg
                 self._emit_tokens(seq, seq.output_ids)
         return False
@@ -368,6 +381,9 @@ class Scheduler:
         self._emit_tokens(seq, [token])
 
     def _emit_tokens(self, seq: Sequence, tokens: list[int]) -> None:
+        if seq.times is not None:
+            now = seq.times["last_token"] = self.clock()
+            seq.times.setdefault("first_token", now)
         reason: str | None = None
         for token in tokens:
             if token == self.tokenizer.eos_id and not seq.params.ignore_eos:
@@ -442,6 +458,12 @@ class Scheduler:
             "steps": self.steps,
             "kv": self.bm.stats(),
         }
+
+
+def _step_kind(batch: list[Sequence], items: list[ForwardItem]) -> str:
+    """Whether a step prefills, decodes, or both."""
+    decoding = [it.start_pos >= len(seq.prompt_ids) for seq, it in zip(batch, items, strict=True)]
+    return "decode" if all(decoding) else "prefill" if not any(decoding) else "mixed"
 
 
 def _set_exception(fut: asyncio.Future[Any], exc: BaseException) -> None:

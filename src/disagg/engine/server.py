@@ -25,7 +25,7 @@ from disagg import __version__
 from disagg.engine.handoff import Handoff, Handoffs
 from disagg.engine.kv_cache import BlockManager, OutOfBlocks, SeqBlocks
 from disagg.engine.metrics import CONTENT_TYPE as METRICS_TYPE
-from disagg.engine.metrics import render as render_metrics
+from disagg.engine.metrics import EngineMetrics
 from disagg.engine.model import Model
 from disagg.engine.requests import Job, build_job
 from disagg.engine.scheduler import Event, Scheduler, Sequence
@@ -43,6 +43,9 @@ from disagg.errors import (
 from disagg.formats import DONE
 from disagg.http import client_tls, error_middleware, json_response
 from disagg.internal_auth import Signer, Verifier
+from disagg.leg_timing import REQUEST_HEADER as TIMING_REQUEST
+from disagg.leg_timing import RESPONSE_HEADER as TIMING_HEADER
+from disagg.leg_timing import LegTiming, encode_event, encode_header
 from disagg.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -77,6 +80,7 @@ class WorkerSettings:
     internal_auth_key: bytes | None = field(default=None, repr=False)
     auth_replay_window_s: float = 60.0
     ssl_ca_file: str | None = None  # CA of the other workers' https URLs (KV fetch, push)
+    clock_offset_s: float = 0.0  # tests: shifts the times this worker reports for its legs
 
 
 class Worker:
@@ -86,12 +90,15 @@ class Worker:
         self.model, self.tokenizer, self.settings = model, tokenizer, settings
         kv_shape = model.kv_shape(settings.num_blocks, settings.block_size)
         self.blocks = BlockManager(kv_shape, model.config.dtype)
+        self.engine_metrics = EngineMetrics(settings.role)
         self.scheduler = Scheduler(
             model,
             tokenizer,
             self.blocks,
             max_batched_tokens=settings.max_batched_tokens,
             lease_s=settings.kv_lease_s,
+            clock=self.clock,
+            on_step=self.engine_metrics.step,
         )
         self._session: aiohttp.ClientSession | None = None
         key = settings.internal_auth_key
@@ -106,6 +113,10 @@ class Worker:
         self.draining = False
         self.keeps_listening = True  # while draining, generation workers still pull KV
         self._legs = 0  # inference requests being handled
+
+    def clock(self) -> float:
+        """The wall clock this worker reports its legs' times in."""
+        return time.time() + self.settings.clock_offset_s
 
     # -- drain ------------------------------------------------------------------------------
 
@@ -211,7 +222,7 @@ class Worker:
         return json_response(await self._stats())
 
     async def metrics(self, _request: web.Request) -> web.Response:
-        body = render_metrics(self.settings.role, await self._stats())
+        body = self.engine_metrics.render(await self._stats())
         return web.Response(body=body, headers={"Content-Type": METRICS_TYPE})
 
     async def kv_fetch(self, request: web.Request) -> web.Response:
@@ -226,6 +237,7 @@ class Worker:
                 f"no pinned KV for ctx_request_id {rid} (unknown, fetched or expired)"
             ) from None
         self.transfers["fetch_served"] += 1
+        self.engine_metrics.moved_out(arr.nbytes)
         return web.Response(
             body=KVPayload(arr, num_tokens).to_bytes(), content_type="application/octet-stream"
         )
@@ -275,6 +287,7 @@ class Worker:
         return handler
 
     async def _leg(self, request: web.Request, kind: str) -> web.StreamResponse:
+        times = {"received": self.clock()} if request.headers.get(TIMING_REQUEST) == "1" else None
         msgpack = request.headers.get("X-TRTLLM-Msgpack") == "1"
         req: Any = validate(decode_body(await request.read(), msgpack=msgpack), _KINDS[kind])
         if req.model != self.settings.model_name:
@@ -282,7 +295,7 @@ class Worker:
         job = build_job(
             kind, req, self.tokenizer, self.settings.model_name, self.model.config.max_position
         )
-        return await self._run(request, job)
+        return await self._run(request, job, times)
 
     def _check_role(self, request_type: str) -> None:
         role = self.settings.role
@@ -294,7 +307,9 @@ class Worker:
                 param="disaggregated_params",
             )
 
-    async def _run(self, request: web.Request, job: Job) -> web.StreamResponse:
+    async def _run(
+        self, request: web.Request, job: Job, times: dict[str, float] | None
+    ) -> web.StreamResponse:
         rtype = job.disagg.request_type
         self._check_role(rtype)
         self._check_capacity(job)
@@ -307,6 +322,7 @@ class Worker:
             sink=lambda ev: _deliver(loop, queue, ev),
             detok=IncrementalDetokenizer(self.tokenizer),
             context_only=rtype == "context_only",
+            times=times,
         )
         if job.params.seed is not None:
             # OpenAI seeds are any integer; numpy wants a non-negative one.
@@ -321,7 +337,8 @@ class Worker:
             text, reason = await self._collect(queue)
             finished = True
             pushed = seq.context_only and reason == "not_finished" and await self._push(job, seq)
-            return json_response(self._answer(job, seq, text, reason, pushed))
+            headers = {} if times is None else {TIMING_HEADER: encode_header(self._timing(seq))}
+            return json_response(self._answer(job, seq, text, reason, pushed), headers=headers)
         finally:
             if not finished:
                 self.scheduler.abort(seq)
@@ -330,13 +347,13 @@ class Worker:
         """Get a generation_only leg's KV and first tokens into `seq`: pulled from the context
         worker its params name, or (generation_first) from the handoff it waits for."""
         if job.disagg.schedule_style == "generation_first" and not job.disagg.encoded_opaque_state:
-            seq.blocks, handoff = await self._await_handoff(job)
+            seq.blocks, handoff = await self._await_handoff(job, seq.times)
             first = handoff.first_gen_tokens
             disagg = msgspec.structs.replace(job.disagg, ctx_usage=handoff.ctx_usage)
             job = dataclasses.replace(job, disagg=disagg)
         else:
             first = self._first_tokens(job.disagg.first_gen_tokens)
-            seq.blocks = await self._receive_kv(job)
+            seq.blocks = await self._receive_kv(job, seq.times)
         seq.output_ids = list(first)
         seq.num_computed = seq.num_cached_tokens = len(job.prompt_ids)
         return job
@@ -384,6 +401,19 @@ class Worker:
                 int(details.get("cached_tokens", 0)),
             )
         return usage(len(job.prompt_ids), len(seq.output_ids), seq.num_cached_tokens)
+
+    def _timing(self, seq: Sequence) -> LegTiming:
+        """The leg's report; `responded` is now (just before its answer goes out) unless a
+        stream noted when its headers went out."""
+        times = dict(seq.times or {})
+        return LegTiming(
+            received=times.pop("received"),
+            responded=times.pop("responded", 0.0) or self.clock(),
+            kv_transfer_bytes=int(times.pop("kv_transfer_bytes", 0)),
+            prompt_tokens=len(seq.prompt_ids),
+            cached_tokens=seq.num_cached_tokens,
+            **times,
+        )
 
     def _answer(
         self, job: Job, seq: Sequence, text: str, reason: str, pushed: bool = False
@@ -453,6 +483,8 @@ class Worker:
         resp = web.StreamResponse(
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         )
+        if seq.times is not None:  # the exchange the orchestrator times ends with the headers
+            seq.times["responded"] = self.clock()
         await resp.prepare(request)
         try:
             await self._relay_events(resp, job, seq, queue)
@@ -488,18 +520,23 @@ class Worker:
                 )
                 for chunk in shape.stream_end("".join(text), ev.finish_reason, use):
                     await resp.write(chunk)
+            if seq.times is not None:
+                await resp.write(encode_event(self._timing(seq)))
             await resp.write(DONE)
             await resp.write_eof()
             return
 
     # -- KV transfer ------------------------------------------------------------------------
 
-    async def _receive_kv(self, job: Job) -> SeqBlocks:
+    async def _receive_kv(self, job: Job, times: dict[str, float] | None) -> SeqBlocks:
         state = self._check_state(job)
         blocks = await self._allocate(job)
         try:
             start = blocks.num_cached_tokens // self.blocks.block_size
-            await self._write(job, blocks, start, await self._fetch(state, start))
+            began = self._transfer_began(times)
+            payload = await self._fetch(state, start)
+            await self._write(job, blocks, start, payload)
+            self._transfer_ended(times, began, payload)
             return blocks
         except BaseException:
             await asyncio.shield(self.scheduler.call(lambda: self.blocks.free(blocks)))
@@ -513,6 +550,21 @@ class Worker:
             )
         except OutOfBlocks:
             raise ServiceUnavailable("generation worker is out of KV blocks") from None
+
+    def _transfer_began(self, times: dict[str, float] | None) -> float:
+        if times is not None:
+            times["kv_transfer_start"] = self.clock()
+        return time.perf_counter()
+
+    def _transfer_ended(
+        self, times: dict[str, float] | None, began: float, payload: KVPayload
+    ) -> None:
+        """The KV is stored: count it, and note it in the leg's timing when asked."""
+        nbytes = payload.data.nbytes
+        self.engine_metrics.moved_in(nbytes, time.perf_counter() - began)
+        if times is not None:
+            times["kv_transfer_end"] = self.clock()
+            times["kv_transfer_bytes"] = nbytes
 
     async def _write(self, job: Job, blocks: SeqBlocks, start: int, payload: KVPayload) -> None:
         """Store the transferred KV of the blocks from `start` on (the rest was cached)."""
@@ -580,7 +632,9 @@ class Worker:
 
     # -- generation_first --------------------------------------------------------------------
 
-    async def _await_handoff(self, job: Job) -> tuple[SeqBlocks, Handoff]:
+    async def _await_handoff(
+        self, job: Job, times: dict[str, float] | None
+    ) -> tuple[SeqBlocks, Handoff]:
         """A generation_first leg: allocate its blocks now (its cached prefix is then safe),
         wait up to the KV lease for its handoff, and store the KV it brings or names."""
         rid = job.disagg.disagg_request_id
@@ -600,7 +654,7 @@ class Worker:
                     raise ServiceUnavailable(
                         f"no context leg handed its KV over within {self.settings.kv_lease_s:g} s"
                     ) from None
-                await self._store_handoff(job, blocks, handoff)
+                await self._store_handoff(job, blocks, handoff, times)
                 return blocks, handoff
             except BaseException:
                 await asyncio.shield(self.scheduler.call(lambda: self.blocks.free(blocks)))
@@ -608,7 +662,9 @@ class Worker:
         finally:
             self.handoffs.close(rid)
 
-    async def _store_handoff(self, job: Job, blocks: SeqBlocks, handoff: Handoff) -> None:
+    async def _store_handoff(
+        self, job: Job, blocks: SeqBlocks, handoff: Handoff, times: dict[str, float] | None
+    ) -> None:
         """Store the handoff's KV past this worker's cached prefix (pushed: from the payload;
         else pulled from where its state says); tell the one who handed off how it went."""
         try:
@@ -618,6 +674,10 @@ class Worker:
                     param="prompt",
                 )
             start = blocks.num_cached_tokens // self.blocks.block_size
+            # pushed: the transfer began when the push arrived
+            began = handoff.arrived if handoff.payload is not None else time.perf_counter()
+            if times is not None:
+                times["kv_transfer_start"] = self.clock() - (time.perf_counter() - began)
             if handoff.payload is not None:
                 pushed = handoff.payload
                 payload = KVPayload(pushed.data[:, :, start:], pushed.num_tokens)
@@ -625,6 +685,7 @@ class Worker:
                 assert handoff.state is not None
                 payload = await self._fetch(self._check_layout(handoff.state, job), start)
             await self._write(job, blocks, start, payload)
+            self._transfer_ended(times, began, payload)
         except BaseException as exc:
             if not handoff.stored.done():
                 handoff.stored.set_exception(
@@ -664,6 +725,7 @@ class Worker:
                 "ctx_usage": self._usage(job, seq),
             }
             body = KVPayload(kv.data, kv.num_tokens, meta).to_bytes()
+            self.engine_metrics.moved_out(kv.data.nbytes)
             url = target.rstrip("/") + "/kv/push"
             headers = self._signed(url, body, "application/octet-stream")
             async with self._session.post(url, data=body, headers=headers) as resp:
@@ -686,11 +748,12 @@ class Worker:
     async def kv_push(self, request: web.Request) -> web.Response:
         """A context worker pushes a generation_first leg's KV: the body is a KV payload
         whose header's `meta` carries the handoff (see `_push`)."""
+        arrived = time.perf_counter()
         try:
             payload = KVPayload.from_bytes(await request.read(), self._layout_state(0, 0))
         except TransferError as exc:
             raise InvalidRequest(str(exc), param="body") from None
-        handoff = self._handoff(payload.meta, payload=payload)
+        handoff = self._handoff(payload.meta, payload=payload, arrived=arrived)
         await self._hand_over(payload.meta, handoff)
         self.transfers["push_received"] += 1
         return json_response({"stored": True})
