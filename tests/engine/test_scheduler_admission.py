@@ -9,6 +9,7 @@ check: nothing waiting or running, all blocks free or evictable.
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from collections.abc import Sequence as Seq
 from typing import Any
@@ -318,3 +319,29 @@ class _Notifying(list[tuple[int, Event]]):
         super().append(item)
         if item[1].finish_reason is not None:
             self.done.release()
+
+
+@pytest.mark.parametrize("when", ["before_result", "after_result"])
+def test_a_cancelled_call_undoes_its_result(tiny: Model, when: str) -> None:
+    """`Scheduler.call(fn, undo)`: a caller cancelled before `fn`'s result arrives, or after
+    it arrived but before the caller resumed, never gets it, so `undo` gets it instead
+    (generation legs allocate their KV blocks this way)."""
+    w = Worker(tiny, num_blocks=8)
+    undone: list[int] = []
+
+    async def scenario() -> None:
+        task = asyncio.create_task(w.sched.call(lambda: 42, undo=undone.append))
+        await asyncio.sleep(0)  # the call is posted
+        if when == "before_result":
+            task.cancel()
+            await asyncio.sleep(0)
+        w.sched.step()  # runs it; the result is handed to the loop
+        await asyncio.sleep(0)  # the result lands in the future; the task is not resumed yet
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await asyncio.sleep(0)
+
+    asyncio.run(scenario())
+    w.sched.step()  # runs the posted undo
+    assert undone == [42]

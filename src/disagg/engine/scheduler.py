@@ -167,7 +167,15 @@ class Scheduler:
                 loop.call_soon_threadsafe(deliver, result)
 
         self.post(run)
-        return await fut
+        try:
+            return await fut
+        except asyncio.CancelledError:
+            # Cancelled after the result arrived but before this coroutine resumed: the
+            # result never reaches the caller, so it is undone here.
+            if undo is not None and fut.done() and not fut.cancelled() and not fut.exception():
+                result = fut.result()
+                self.post(lambda: undo(result))
+            raise
 
     def post(self, fn: Callable[[], None]) -> None:
         """Run `fn` on the scheduler thread between steps, without waiting for it."""
