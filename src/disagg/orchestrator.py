@@ -41,6 +41,7 @@ from disagg.leg_timing import EVENT_PREFIX, split_event
 from disagg.perf_records import LegRecord
 from disagg.retry import RetryBudget, RetryPolicy, retryable
 from disagg.routing import Policy, Reservation, RouteRequest
+from disagg.tracing import Tracing
 from disagg.upstream import UpstreamStream, WorkerClient
 
 if TYPE_CHECKING:
@@ -145,14 +146,17 @@ class Orchestrator:
         deadlines: Deadlines | None = None,
         cache: CacheAwareRouting | None = None,
         generation_first: str | None = None,
+        tracing: Tracing | None = None,
     ) -> None:
-        """`generation_first`: None (context first), or how its KV moves: "push" or "pull"."""
+        """`generation_first`: None (context first), or how its KV moves: "push" or "pull";
+        `tracing`: where each leg's span goes (its trace context travels with the leg)."""
         self.context_policy, self.generation_policy = context_policy, generation_policy
         self.client = client
         self.retry = retry or RetryPolicy()
         self.deadlines = deadlines or Deadlines()
         self.cache = cache
         self.generation_first = generation_first
+        self.tracing = tracing or Tracing()
         # Random high bits keep ids apart across restarts and replicas; the low 32 bits count.
         self._ids = itertools.count((secrets.randbits(31) << 32) + 1)
 
@@ -303,9 +307,15 @@ class Orchestrator:
             leg = route.legs["context"] = LegRecord(reservation.worker.url, sent)
             route.wait_begins()
             try:
-                resp = await self.client.post(
-                    leg.url, endpoint.path, payload, route.left(self.deadlines.context_s), leg
-                )
+                with self.tracing.leg("context_leg", leg.url) as trace:
+                    resp = await self.client.post(
+                        leg.url,
+                        endpoint.path,
+                        payload,
+                        route.left(self.deadlines.context_s),
+                        leg,
+                        trace,
+                    )
             finally:
                 route.wait_ends()
             route.times["context_done"] = done = time.monotonic()
@@ -425,14 +435,17 @@ class Orchestrator:
         leg = route.legs["generation"] = LegRecord(url, sent)
         route.wait_begins()
         try:
-            if job.stream:
-                opened = await self.client.open_stream(
-                    url, path, payload, route.left(first_byte_s), leg
-                )
-            else:
-                opened = await self.client.post(
-                    url, path, payload, route.left(self.deadlines.request_s), leg
-                )
+            # A stream's span ends once its worker answers: it holds the KV then.
+            with self.tracing.leg("generation_leg", url, {"disagg.stream": job.stream}) as trace:
+                if job.stream:
+                    opened = await self.client.open_stream(
+                        url, path, payload, route.left(first_byte_s), leg, trace
+                    )
+                else:
+                    opened = await self.client.post(
+                        url, path, payload, route.left(self.deadlines.request_s), leg, trace
+                    )
+            if not job.stream:
                 reservation.judge(True)
                 reservation.finish(True)
         except BaseException as exc:
@@ -518,9 +531,14 @@ class Orchestrator:
         }
         route.wait_begins()
         try:
-            await self.client.post(
-                early.url, "/kv/handoff", body, route.left(self.deadlines.first_token_s)
-            )
+            with self.tracing.leg("kv_handoff", early.url) as trace:
+                await self.client.post(
+                    early.url,
+                    "/kv/handoff",
+                    body,
+                    route.left(self.deadlines.first_token_s),
+                    trace=trace,
+                )
         except DisaggError as exc:
             log.info("generation_first handoff to %s failed: %s", early.url, exc.message)
             return False

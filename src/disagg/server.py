@@ -41,12 +41,13 @@ from disagg.http import Handler, client_tls, error_middleware, error_response, j
 from disagg.internal_auth import signer_for
 from disagg.limits import Limits
 from disagg.openapi import document
-from disagg.orchestrator import Deadlines, Job, Orchestrator
+from disagg.orchestrator import Deadlines, Job, Orchestrator, Route
 from disagg.perf_records import PerfRecords
 from disagg.protocol import decode_body, validate
 from disagg.retry import RetryPolicy
 from disagg.routing.prompt_tokens import PromptHasher
 from disagg.telemetry import CONTENT_TYPE, Metrics
+from disagg.tracing import RequestSpan, Tracing
 from disagg.upstream import WorkerClient
 
 log = logging.getLogger(__name__)
@@ -92,6 +93,15 @@ def _conversation(request: web.Request, body: dict[str, Any]) -> str | None:
     return key if isinstance(key, str) and key else None
 
 
+def _trace_route(span: RequestSpan, route: Route | None, status: int) -> None:
+    span.status(status)
+    if route is not None:
+        span.set("disagg.context_worker", route.context)
+        span.set("disagg.generation_worker", route.generation)
+        span.set("disagg.cached_tokens", route.cached_tokens)
+        span.set("disagg.retries", route.retries)
+
+
 def retry_policy(config: ClusterConfig) -> RetryPolicy:
     if config.disable_retries:
         return RetryPolicy.off()
@@ -111,6 +121,7 @@ class Frontend:
             config.connect_timeout, signer_for(config), self.tls, self.offsets
         )
         self.cache = CacheAwareRouting(config, self.cluster)
+        self.tracing = Tracing.create(config.otlp_traces_endpoint)
         self.auth = ClientAuth(config.secrets.api_keys, config.secrets.admin_key)
         self.limits = Limits(config)
         # Counts prompt tokens for the limit where no cache-aware pool tokenizes already.
@@ -131,6 +142,7 @@ class Frontend:
             config.generation_first_transfer
             if config.schedule_style == "generation_first"
             else None,
+            self.tracing,
         )
         self.admission = Admission(
             config.max_concurrent_requests, config.max_queued_requests, config.queue_timeout
@@ -214,6 +226,7 @@ class Frontend:
         if self._health_session is not None:
             await self._health_session.close()
         await self.client.close()
+        await asyncio.to_thread(self.tracing.shutdown)
 
     async def health(self, _request: web.Request) -> web.Response:
         if self.draining:
@@ -261,9 +274,13 @@ class Frontend:
             metrics, started, status = self.metrics, time.monotonic(), 500
             request["started"], request["endpoint"] = started, kind
             metrics.in_flight.inc()
+            attributes = {"disagg.endpoint": kind, "disagg.request_id": request["request_id"]}
+            span = self.tracing.request(f"POST {request.path}", request.headers, attributes)
             try:
-                resp = await self._handle(request, endpoint)
-                status = resp.status
+                with span as traced:
+                    resp = await self._handle(request, endpoint)
+                    status = resp.status
+                    _trace_route(traced, request.get("route"), status)
                 return resp
             except DisaggError as exc:
                 status = exc.status

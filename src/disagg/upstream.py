@@ -139,7 +139,9 @@ class WorkerClient:
             await self._session.close()
             self._session = None
 
-    def _body(self, url: str, payload: dict[str, Any]) -> tuple[bytes, dict[str, str]]:
+    def _body(
+        self, url: str, payload: dict[str, Any], trace: dict[str, str] | None = None
+    ) -> tuple[bytes, dict[str, str]]:
         """A leg's msgpack body and its headers, signed when the cluster has a key. The body
         comes from the client: an integer past msgpack's 64 bits is the client's error."""
         try:
@@ -149,6 +151,8 @@ class WorkerClient:
                 "a number in the request is out of range (integers must fit in 64 bits)"
             ) from None
         headers = HEADERS if self.offsets is None else {**HEADERS, TIMING_REQUEST: "1"}
+        if trace:
+            headers = {**headers, **trace}
         if self._signer is None:
             return body, headers
         headers = {**headers, **self._signer.for_url("POST", url, body)}
@@ -162,10 +166,12 @@ class WorkerClient:
         payload: dict[str, Any],
         timeout_s: float,
         record: LegRecord | None = None,
+        trace: dict[str, str] | None = None,
     ) -> dict[str, Any]:
-        """POST a leg and return its JSON answer within `timeout_s`."""
+        """POST a leg and return its JSON answer within `timeout_s`; `trace`: the headers
+        that carry its trace context."""
         timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=self._connect_s)
-        body, headers = self._body(url + path, payload)
+        body, headers = self._body(url + path, payload, trace)
         try:
             async with self.session.post(
                 url + path, data=body, headers=headers, timeout=timeout
@@ -197,11 +203,12 @@ class WorkerClient:
         payload: dict[str, Any],
         first_byte_s: float,
         record: LegRecord | None = None,
+        trace: dict[str, str] | None = None,
     ) -> UpstreamStream:
         """POST a streamed leg; returns once the worker accepted it (status 200), which must
         happen within `first_byte_s`. Chunk deadlines are the reader's business."""
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=self._connect_s)
-        body, headers = self._body(url + path, payload)
+        body, headers = self._body(url + path, payload, trace)
         try:
             async with asyncio.timeout(first_byte_s):
                 resp = await self.session.post(
