@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -39,16 +40,24 @@ class Processes:
         self.procs.append(subprocess.Popen(cmd, stdin=subprocess.DEVNULL))
 
     def stop(self) -> None:
-        for p in self.procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 10
-        for p in self.procs:
-            try:
-                p.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        """SIGTERM every process, then SIGKILL what is left after 10 s. A second Ctrl-C
+        while stopping (the terminal sends it to the children too) is ignored here."""
+        main = threading.current_thread() is threading.main_thread()
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
+        try:
+            for p in self.procs:
+                if p.poll() is None:
+                    p.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + 10
+            for p in self.procs:
+                try:
+                    p.wait(timeout=max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait()
+        finally:
+            if previous is not None:
+                signal.signal(signal.SIGINT, previous)
 
     def check_alive(self) -> None:
         for p in self.procs:

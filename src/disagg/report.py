@@ -72,7 +72,7 @@ def draw(records: list[dict[str, Any]], out: Path, title: str = "disagg requests
     bars.set(
         xlabel="request (in arrival order)", ylabel="ms after arrival", title="Where the time went"
     )
-    bars.legend(loc="upper left", fontsize=8)
+    bars.legend(loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=len(SPANS), fontsize=8)
     for key, label in (("first_token_ms", "time to first token"), ("last_token_ms", "end to end")):
         values = sorted(float(r[key]) for r in records if key in r)
         if values:
