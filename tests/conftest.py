@@ -25,14 +25,14 @@ Procs = Processes
 # For clusters whose broken worker must take every attempt (tests that count attempts or
 # check one worker's error): its circuit breaker would otherwise open. Breakers have tests
 # of their own.
-NO_BREAKER = {"breaker_failures": 1000}
+NO_BREAKER: dict[str, Any] = {"breaker_failures": 1000}
 
 
 def wait_healthy(url: str, procs: Procs, timeout_s: float = 60.0) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         for p in procs.procs:
-            assert p.poll() is None, f"{p.args} exited with {p.returncode}"
+            assert p.poll() is None, f"{p.args!r} exited with {p.returncode}"
         try:
             if httpx.get(url + "/health", timeout=2).status_code == 200:
                 return

@@ -27,8 +27,10 @@ from disagg.engine.kv_cache import BlockManager, OutOfBlocks, SeqBlocks
 from disagg.engine.metrics import CONTENT_TYPE as METRICS_TYPE
 from disagg.engine.metrics import EngineMetrics
 from disagg.engine.model import Model
+from disagg.engine.peer_protocols import kv_transfer_answer, prefill_only
 from disagg.engine.requests import Job, build_job
 from disagg.engine.scheduler import Event, Scheduler, Sequence
+from disagg.engine.simulated import Timing
 from disagg.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from disagg.engine.transfer import KVPayload, OpaqueState, StateExpired, TransferError
 from disagg.errors import (
@@ -81,6 +83,7 @@ class WorkerSettings:
     auth_replay_window_s: float = 60.0
     ssl_ca_file: str | None = None  # CA of the other workers' https URLs (KV fetch, push)
     clock_offset_s: float = 0.0  # tests: shifts the times this worker reports for its legs
+    timing: Timing | None = None  # simulated (`--simulate`): received KV takes its transfer time
 
 
 class Worker:
@@ -199,6 +202,7 @@ class Worker:
             {
                 "role": self.settings.role,
                 "model": self.settings.model_name,
+                "served_model_name": self.settings.model_name,
                 "block_size": self.blocks.block_size,
                 "num_blocks": self.blocks.num_blocks,
                 "dtype": cfg.dtype,
@@ -289,13 +293,16 @@ class Worker:
     async def _leg(self, request: web.Request, kind: str) -> web.StreamResponse:
         times = {"received": self.clock()} if request.headers.get(TIMING_REQUEST) == "1" else None
         msgpack = request.headers.get("X-TRTLLM-Msgpack") == "1"
-        req: Any = validate(decode_body(await request.read(), msgpack=msgpack), _KINDS[kind])
+        body = decode_body(await request.read(), msgpack=msgpack)
+        prefill_only(body, self.settings.role)
+        req: Any = validate(body, _KINDS[kind])
         if req.model != self.settings.model_name:
             raise ModelNotFound(req.model)
         job = build_job(
             kind, req, self.tokenizer, self.settings.model_name, self.model.config.max_position
         )
-        return await self._run(request, job, times)
+        extra = kv_transfer_answer(body, self.instance, self.settings.advertise_url)
+        return await self._run(request, job, times, extra)
 
     def _check_role(self, request_type: str) -> None:
         role = self.settings.role
@@ -308,8 +315,13 @@ class Worker:
             )
 
     async def _run(
-        self, request: web.Request, job: Job, times: dict[str, float] | None
+        self,
+        request: web.Request,
+        job: Job,
+        times: dict[str, float] | None,
+        extra: dict[str, Any] | None = None,
     ) -> web.StreamResponse:
+        """`extra`: top-level fields added to a whole answer (see `peer_protocols`)."""
         rtype = job.disagg.request_type
         self._check_role(rtype)
         self._check_capacity(job)
@@ -338,7 +350,8 @@ class Worker:
             finished = True
             pushed = seq.context_only and reason == "not_finished" and await self._push(job, seq)
             headers = {} if times is None else {TIMING_HEADER: encode_header(self._timing(seq))}
-            return json_response(self._answer(job, seq, text, reason, pushed), headers=headers)
+            answer = self._answer(job, seq, text, reason, pushed)
+            return json_response({**answer, **extra} if extra else answer, headers=headers)
         finally:
             if not finished:
                 self.scheduler.abort(seq)
@@ -578,6 +591,10 @@ class Worker:
             self.blocks.write_blocks(table, payload.data)
             self.blocks.commit(blocks, len(job.prompt_ids))
 
+        timing = self.settings.timing
+        moved = len(job.prompt_ids) - start * self.blocks.block_size
+        if timing is not None and (delay := timing.transfer_s(moved)) > 0:
+            await asyncio.sleep(delay)  # the real model's KV would take that long to arrive
         await self.scheduler.call(store)
 
     def _check_state(self, job: Job) -> OpaqueState:
