@@ -127,8 +127,13 @@ class WorkerClient:
             connector = aiohttp.TCPConnector(
                 limit=0, keepalive_timeout=30, enable_cleanup_closed=True, ssl=self._tls
             )
+            # No cookies between the orchestrator and its workers: skip the jar's work on
+            # every answer.
             self._session = aiohttp.ClientSession(
-                connector=connector, auto_decompress=False, skip_auto_headers=("User-Agent",)
+                connector=connector,
+                auto_decompress=False,
+                skip_auto_headers=("User-Agent",),
+                cookie_jar=aiohttp.DummyCookieJar(),
             )
         return self._session
 
