@@ -197,6 +197,9 @@ class Scheduler:
             if self.step() and not self.running:
                 with self._cond:  # admission waits for blocks to be freed or released
                     self._cond.wait(timeout=0.05)
+            # Let the event loop thread run now (it sends what this step produced): otherwise
+            # a thread stepping back to back keeps the GIL for a whole switch interval (5 ms).
+            time.sleep(0)
 
     def step(self) -> bool:
         """Run the posted calls, then one batch; returns whether admission is blocked on KV
