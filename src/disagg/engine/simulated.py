@@ -75,6 +75,7 @@ CONFIG = ModelConfig(
     num_heads=1,
     num_kv_heads=1,
     dtype="float32",
+    max_position=131072,  # it stands for a long-context model
 )
 
 # What the simulated model "writes": printable bytes, picked by position, so outputs differ

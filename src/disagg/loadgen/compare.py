@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import statistics
 import subprocess
 import sys
@@ -81,9 +82,23 @@ class _Processes:
                 p.wait()
 
 
+# Simulated KV blocks are a few bytes each: room for every sequence of the highest level.
+_BLOCKS = "65536"
+
+
 def _worker(procs: _Processes, role: str, simulate: str) -> str:
     port = free_port()
-    procs.disagg("worker", "--role", role, "--port", str(port), "--simulate", simulate)
+    procs.disagg(
+        "worker",
+        "--role",
+        role,
+        "--port",
+        str(port),
+        "--simulate",
+        simulate,
+        "--num-blocks",
+        _BLOCKS,
+    )
     url = f"http://127.0.0.1:{port}"
     procs.wait_ready(url + "/health")
     return url
@@ -145,6 +160,7 @@ def compare(spec: CompareSpec, say: Callable[[str], None] = print) -> dict[str, 
     """Run every load level against every target `spec.rounds` times, rotating the order
     each round; the result holds every run and, per level, each target's medians."""
     runs: dict[int, dict[str, list[dict[str, Any]]]] = {}
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per readiness poll
     with launched(spec, say) as urls:
         names = list(urls)
         for level in spec.concurrency:
