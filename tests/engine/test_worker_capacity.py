@@ -1,12 +1,15 @@
-"""A request that can never fit the worker's KV cache is a clear 400, not a 500."""
+"""A request that can never fit the worker's KV cache is a clear 400, not a 500; one that
+fits but finds the cache full waits for blocks."""
 
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 
-from tests.conftest import Procs, free_port, wait_healthy
+from tests.conftest import Procs, assert_no_leaks, free_port, start_cluster, wait_healthy
 
 
 def test_request_larger_than_kv_cache(procs: Procs) -> None:
@@ -102,3 +105,23 @@ def test_odd_but_valid_sampling_and_bad_content(procs: Procs) -> None:
         },
     )
     assert r.status_code == 400 and r.json()["error"]["param"] == "disaggregated_params"
+
+
+def test_generation_legs_wait_for_blocks(procs: Procs, tmp_path: Path) -> None:
+    """A generation worker whose KV cache is full makes the next leg wait for blocks to be
+    freed (it holds none meanwhile) instead of failing it."""
+    c = start_cluster(procs, tmp_path, 1, 1, gen_args=("--num-blocks", "16"))
+    body = {"model": "tiny", "prompt": "w" * 150, "max_tokens": 24, "ignore_eos": True}
+
+    def one(i: int) -> httpx.Response:
+        return httpx.post(
+            c.url + "/v1/completions",
+            json={**body, "seed": i, "prompt": f"{i}" + "w" * 150},
+            timeout=60,
+        )
+
+    with ThreadPoolExecutor(3) as pool:
+        answers = list(pool.map(one, range(3)))  # each needs 10+ of the 16 blocks
+    assert [r.status_code for r in answers] == [200, 200, 200], [r.text for r in answers]
+    assert all(r.json()["usage"]["completion_tokens"] == 24 for r in answers)
+    assert_no_leaks(c)

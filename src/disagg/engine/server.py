@@ -556,13 +556,21 @@ class Worker:
             raise
 
     async def _allocate(self, job: Job) -> SeqBlocks:
-        """Blocks for a generation leg's prompt; its cached prefix needs no transfer."""
-        try:
-            return await self.scheduler.call(
-                lambda: self.blocks.allocate(job.prompt_ids), undo=self.blocks.free
-            )
-        except OutOfBlocks:
-            raise ServiceUnavailable("generation worker is out of KV blocks") from None
+        """Blocks for a generation leg's prompt; its cached prefix needs no transfer. When
+        the cache is full the leg waits for running sequences to free blocks (it holds
+        none meanwhile), up to the KV fetch timeout; then 503."""
+        deadline = time.monotonic() + self.settings.kv_fetch_timeout_s
+        pause = 0.005
+        while True:
+            try:
+                return await self.scheduler.call(
+                    lambda: self.blocks.allocate(job.prompt_ids), undo=self.blocks.free
+                )
+            except OutOfBlocks:
+                if time.monotonic() + pause > deadline:
+                    raise ServiceUnavailable("generation worker is out of KV blocks") from None
+            await asyncio.sleep(pause)
+            pause = min(2 * pause, 0.1)
 
     def _transfer_began(self, times: dict[str, float] | None) -> float:
         if times is not None:
