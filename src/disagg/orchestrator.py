@@ -22,8 +22,6 @@ from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-import aiohttp
-
 from disagg.clock_offsets import ClockOffsets
 from disagg.cluster import WorkerState
 from disagg.endpoints import ContextOutcome, Endpoint
@@ -42,7 +40,7 @@ from disagg.perf_records import LegRecord
 from disagg.retry import RetryBudget, RetryPolicy, retryable
 from disagg.routing import Policy, Reservation, RouteRequest
 from disagg.tracing import Tracing
-from disagg.upstream import UpstreamStream, WorkerClient
+from disagg.upstream import StreamError, UpstreamStream, WorkerClient
 
 if TYPE_CHECKING:
     from disagg.cache_aware import CacheAwareRouting
@@ -666,7 +664,7 @@ class _Relay:
                 yield self._untimed(pending) if self.offsets else pending
             self.ok = True
             self.reservation.judge(True)
-        except (aiohttp.ClientError, TimeoutError) as exc:
+        except (StreamError, TimeoutError) as exc:
             # Bytes may already be with the client: end the stream with an error event.
             log.warning("generation stream from %s broke: %r", self.reservation.worker.url, exc)
             if self.deadline > loop.time():  # not the request's own deadline

@@ -1,5 +1,5 @@
-"""The client to workers: one pooled aiohttp session, msgpack request bodies, JSON answers
-and streamed SSE bytes relayed as they arrive.
+"""The client to workers: pooled keep-alive connections (`http1`), msgpack request bodies,
+JSON answers and streamed SSE bytes relayed as they arrive.
 
 Upstream sends and receives; it never decides placement. Worker error statuses become
 `UpstreamError`, broken connections `WorkerUnavailable`. With a `Signer`, every POST is
@@ -11,15 +11,14 @@ into the leg's `LegRecord` with the time its answer's first byte came.
 from __future__ import annotations
 
 import asyncio
-import errno
 import logging
 import ssl
 import time
 from typing import Any
 
-import aiohttp
 import msgspec
 
+from disagg import http1
 from disagg.clock_offsets import ClockOffsets
 from disagg.errors import (
     DisaggError,
@@ -37,6 +36,10 @@ from disagg.protocol import encode_msgpack
 log = logging.getLogger(__name__)
 
 HEADERS = {"Content-Type": "application/json", "X-TRTLLM-Msgpack": "1"}
+RELEASE_TIMEOUT_S = 10.0  # a busy worker's scheduler may take a while; nobody waits for it
+
+# What `UpstreamStream.next_chunk` raises when the stream breaks (besides TimeoutError).
+StreamError = http1.HTTPError
 
 
 def worker_error(status: int, raw: bytes) -> DisaggError:
@@ -66,41 +69,36 @@ def worker_error(status: int, raw: bytes) -> DisaggError:
     )
 
 
-_TRANSIENT_ERRNOS = frozenset({errno.ECONNRESET, errno.EPIPE, errno.ECONNABORTED})
-
-
-def connection_error(url: str, exc: aiohttp.ClientError) -> WorkerUnavailable:
-    """Classify a client library error; resets may arrive wrapped in other error types."""
-    if isinstance(exc, aiohttp.ClientConnectorError):
+def connection_error(url: str, exc: http1.HTTPError) -> WorkerUnavailable:
+    """Classify a transport error: connecting failed (nothing sent), the connection dropped
+    before the answer's head (transient: a retry usually cures it), or later, or garbage."""
+    if isinstance(exc, http1.ConnectError):
         return WorkerUnavailable(f"cannot connect to worker {url}", sent=False)
-    transient = isinstance(exc, aiohttp.ServerDisconnectedError | ConnectionResetError)
-    cause: BaseException | None = exc
-    while cause is not None and not transient:
-        transient = isinstance(cause, ConnectionResetError | BrokenPipeError) or (
-            isinstance(cause, OSError) and cause.errno in _TRANSIENT_ERRNOS
-        )
-        cause = cause.__cause__ or cause.__context__
+    if isinstance(exc, http1.MalformedResponse):
+        return WorkerUnavailable(f"worker {url} sent a malformed answer")
+    transient = isinstance(exc, http1.ServerDisconnectedError)
     return WorkerUnavailable(f"worker {url} failed: {type(exc).__name__}", transient=transient)
 
 
 class UpstreamStream:
-    """An open streamed answer from a worker; iterate `chunks()`, then `close()`."""
+    """An open streamed answer from a worker; read `next_chunk` until b"", then `close()`."""
 
-    def __init__(self, resp: aiohttp.ClientResponse) -> None:
+    def __init__(self, resp: http1.Response) -> None:
         self._resp = resp
 
     async def next_chunk(self, timeout_s: float) -> bytes:
-        """The next bytes as they arrive (b"" at the end); TimeoutError after `timeout_s`."""
+        """The next bytes as they arrive (b"" at the end); TimeoutError after `timeout_s`,
+        `StreamError` when the stream breaks."""
+        data = self._resp.read_nowait()
+        if data is not None:
+            return data
         async with asyncio.timeout(timeout_s):
-            return await self._resp.content.readany()
+            return await self._resp.read_any()
 
     def close(self) -> None:
-        # close() (not release()) so an unfinished stream drops the connection, which tells
-        # the worker to abort the sequence.
-        if not self._resp.content.at_eof():
-            self._resp.close()
-        else:
-            self._resp.release()
+        # An unfinished stream drops its connection, which tells the worker to abort the
+        # sequence; a finished one goes back to the pool.
+        self._resp.release()
 
 
 class WorkerClient:
@@ -113,36 +111,15 @@ class WorkerClient:
     ) -> None:
         """`tls`: how https:// workers are verified (a context with the cluster's CA);
         `offsets`: ask workers for leg timing, and estimate their clocks with it."""
-        self._connect_s, self._tls = connect_timeout_s, tls
+        self._http = http1.Client(tls, connect_timeout_s)
         self._signer = signer
         self.offsets = offsets
-        # A busy worker's scheduler may take a while to answer; nobody waits for it.
-        self._release_timeout = aiohttp.ClientTimeout(total=10.0, sock_connect=connect_timeout_s)
-        self._session: aiohttp.ClientSession | None = None
         self._releases: set[asyncio.Task[None]] = set()
-
-    @property
-    def session(self) -> aiohttp.ClientSession:
-        if self._session is None:
-            connector = aiohttp.TCPConnector(
-                limit=0, keepalive_timeout=30, enable_cleanup_closed=True, ssl=self._tls
-            )
-            # No cookies between the orchestrator and its workers: skip the jar's work on
-            # every answer.
-            self._session = aiohttp.ClientSession(
-                connector=connector,
-                auto_decompress=False,
-                skip_auto_headers=("User-Agent",),
-                cookie_jar=aiohttp.DummyCookieJar(),
-            )
-        return self._session
 
     async def close(self) -> None:
         if self._releases:  # let the last KV releases land (bounded by their timeout)
-            await asyncio.wait(set(self._releases), timeout=10.0)
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+            await asyncio.wait(set(self._releases), timeout=RELEASE_TIMEOUT_S)
+        self._http.close()
 
     def _body(
         self, url: str, payload: dict[str, Any], trace: dict[str, str] | None = None
@@ -164,6 +141,12 @@ class WorkerClient:
         headers.update(self._signer.trtllm(payload.get("disaggregated_params")))
         return body, headers
 
+    def _first_byte(self, resp: http1.Response, record: LegRecord | None) -> None:
+        if record is not None:
+            record.first_byte = time.monotonic()
+            if self.offsets is not None and resp.status == 200:
+                record.report(resp.header(TIMING_HEADER), self.offsets)
+
     async def post(
         self,
         url: str,
@@ -175,25 +158,23 @@ class WorkerClient:
     ) -> dict[str, Any]:
         """POST a leg and return its JSON answer within `timeout_s`; `trace`: the headers
         that carry its trace context."""
-        timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=self._connect_s)
         body, headers = self._body(url + path, payload, trace)
         try:
-            async with self.session.post(
-                url + path, data=body, headers=headers, timeout=timeout
-            ) as resp:
-                if record is not None:
-                    record.first_byte = time.monotonic()
-                    if self.offsets is not None and resp.status == 200:
-                        record.report(resp.headers.get(TIMING_HEADER), self.offsets)
-                raw = await resp.read()
-                if resp.status != 200:
-                    raise worker_error(resp.status, raw)
+            async with asyncio.timeout(timeout_s):
+                resp = await self._http.request("POST", url + path, body, headers)
+                try:
+                    self._first_byte(resp, record)
+                    raw = await resp.read()
+                finally:
+                    resp.release()
+            if resp.status != 200:
+                raise worker_error(resp.status, raw)
             data = msgspec.json.decode(raw)
         except DisaggError:
             raise
         except TimeoutError:
             raise GatewayTimeout(f"worker {url} did not answer in time") from None
-        except aiohttp.ClientError as exc:
+        except http1.HTTPError as exc:
             raise connection_error(url, exc) from None
         except msgspec.DecodeError:
             raise WorkerUnavailable(f"worker {url} sent a malformed answer") from None
@@ -212,23 +193,20 @@ class WorkerClient:
     ) -> UpstreamStream:
         """POST a streamed leg; returns once the worker accepted it (status 200), which must
         happen within `first_byte_s`. Chunk deadlines are the reader's business."""
-        timeout = aiohttp.ClientTimeout(total=None, sock_connect=self._connect_s)
         body, headers = self._body(url + path, payload, trace)
         try:
             async with asyncio.timeout(first_byte_s):
-                resp = await self.session.post(
-                    url + path, data=body, headers=headers, timeout=timeout
-                )
+                resp = await self._http.request("POST", url + path, body, headers)
         except TimeoutError:
             raise GatewayTimeout(f"worker {url} did not answer in time") from None
-        except aiohttp.ClientError as exc:
+        except http1.HTTPError as exc:
             raise connection_error(url, exc) from None
         if record is not None:
             record.first_byte = time.monotonic()
         if resp.status != 200:
             try:
                 raw = await resp.read()
-            except aiohttp.ClientError:
+            except http1.HTTPError:
                 raw = b""
             finally:
                 resp.release()
@@ -250,9 +228,11 @@ class WorkerClient:
         if self._signer is not None:
             headers.update(self._signer.for_url("POST", url + "/kv/release", body))
         try:
-            async with self.session.post(
-                url + "/kv/release", data=body, headers=headers, timeout=self._release_timeout
-            ) as resp:
-                await resp.read()
-        except (aiohttp.ClientError, TimeoutError) as exc:
+            async with asyncio.timeout(RELEASE_TIMEOUT_S):
+                resp = await self._http.request("POST", url + "/kv/release", body, headers)
+                try:
+                    await resp.read()
+                finally:
+                    resp.release()
+        except (http1.HTTPError, TimeoutError) as exc:
             log.warning("could not release KV %d on %s: %r", ctx_request_id, url, exc)
