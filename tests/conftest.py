@@ -148,7 +148,50 @@ def assert_no_leaks(cluster: Cluster, timeout_s: float = 5.0) -> None:
         time.sleep(0.05)
 
 
-class BrokenWorker:
+def start_workers(procs: Procs, *roles: str) -> list[str]:
+    """Reference workers of these roles on free ports, healthy; their URLs."""
+    ports = [free_port() for _ in roles]
+    for role, port in zip(roles, ports, strict=True):
+        procs.start("worker", "--role", role, "--port", str(port))
+    urls = [f"http://127.0.0.1:{p}" for p in ports]
+    for url in urls:
+        wait_healthy(url, procs)
+    return urls
+
+
+class ThreadServer:
+    """An aiohttp app served on loopback from a thread and event loop of its own, so that
+    synchronous tests can use it: `with server as url:`. Subclasses build `app()`."""
+
+    def __init__(self) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+
+    def app(self) -> web.Application:
+        raise NotImplementedError
+
+    def stopping(self) -> None:
+        """Called on the server's loop as it stops (to end handlers that wait)."""
+
+    def __enter__(self) -> str:  # the base URL
+        self.runner = web.AppRunner(self.app())
+        self.loop.run_until_complete(self.runner.setup())
+        site = web.TCPSite(self.runner, "127.0.0.1", self.port)
+        self.loop.run_until_complete(site.start())
+        self.thread.start()
+        return self.url
+
+    def __exit__(self, *exc: object) -> None:
+        self.loop.call_soon_threadsafe(self.stopping)
+        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+        self.loop.close()
+
+
+class BrokenWorker(ThreadServer):
     """A real HTTP server on loopback that looks healthy but fails every inference request,
     run on its own thread; `with BrokenWorker(mode) as url:`. Modes: "500", "400", "reset"
     (drops the connection without answering), "partial" (streams one chunk, then drops),
@@ -157,14 +200,13 @@ class BrokenWorker:
     `hits` counts the inference requests it received."""
 
     def __init__(self, mode: str = "500") -> None:
-        self.port = free_port()
+        super().__init__()
         self.mode = mode
         self.hits = 0
-        self.url = f"http://127.0.0.1:{self.port}"
         self._released = asyncio.Event()  # ends the hanging handlers at exit
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.runner = web.AppRunner(self._app())
+
+    def stopping(self) -> None:
+        self._released.set()
 
     async def _fail(self, request: web.Request) -> web.StreamResponse:
         self.hits += 1
@@ -189,7 +231,7 @@ class BrokenWorker:
             return resp
         return web.json_response({"error": {"message": "engine exploded"}}, status=500)
 
-    def _app(self) -> web.Application:
+    def app(self) -> web.Application:
         async def health(_r: web.Request) -> web.Response:
             return web.json_response({"status": "ok"})
 
@@ -206,22 +248,8 @@ class BrokenWorker:
         )
         return app
 
-    def __enter__(self) -> str:  # the base URL
-        self.loop.run_until_complete(self.runner.setup())
-        site = web.TCPSite(self.runner, "127.0.0.1", self.port)
-        self.loop.run_until_complete(site.start())
-        self.thread.start()
-        return self.url
 
-    def __exit__(self, *exc: object) -> None:
-        self.loop.call_soon_threadsafe(self._released.set)
-        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(10)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(5)
-        self.loop.close()
-
-
-class Proxy:
+class Proxy(ThreadServer):
     """A proxy on loopback in front of a worker, on its own thread: `with Proxy(url) as url`.
     It keeps each request's headers in `seen` (path, headers), and passes each answer (whole,
     not streamed) through `rewrite(headers, body)` when given."""
@@ -231,14 +259,14 @@ class Proxy:
         target: str,
         rewrite: Callable[[dict[str, str], bytes], tuple[dict[str, str], bytes]] | None = None,
     ) -> None:
-        self.target, self.rewrite, self.port = target, rewrite, free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        super().__init__()
+        self.target, self.rewrite = target, rewrite
         self.seen: list[tuple[str, dict[str, str]]] = []
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+
+    def app(self) -> web.Application:
         app = web.Application()
         app.router.add_route("*", "/{path:.*}", self._forward)
-        self.runner = web.AppRunner(app)
+        return app
 
     async def _forward(self, request: web.Request) -> web.StreamResponse:
         headers = {k: v for k, v in request.headers.items() if k.lower() != "host"}
@@ -257,19 +285,6 @@ class Proxy:
             if self.rewrite is not None:
                 out, body = self.rewrite(out, body)
             return web.Response(body=body, status=up.status, headers=out)
-
-    def __enter__(self) -> str:
-        self.loop.run_until_complete(self.runner.setup())
-        site = web.TCPSite(self.runner, "127.0.0.1", self.port)
-        self.loop.run_until_complete(site.start())
-        self.thread.start()
-        return self.url
-
-    def __exit__(self, *exc: object) -> None:
-        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(10)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(5)
-        self.loop.close()
 
 
 @contextlib.contextmanager

@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from disagg.leg_timing import EVENT, RESPONSE_HEADER
-from tests.conftest import Procs, Proxy, free_port, start_cluster, wait_healthy
+from tests.conftest import Procs, Proxy, start_cluster, start_workers
 
 CTX_SHIFT_MS, GEN_SHIFT_MS = 5000.0, -3000.0
 
@@ -116,12 +116,7 @@ def _garble(headers: dict[str, str], body: bytes) -> tuple[dict[str, str], bytes
 
 
 def test_malformed_timing_is_ignored(procs: Procs, tmp_path: Path) -> None:
-    ports = free_port(), free_port()
-    for role, port in zip(("context", "generation"), ports, strict=True):
-        procs.start("worker", "--role", role, "--port", str(port))
-    urls = [f"http://127.0.0.1:{p}" for p in ports]
-    for url in urls:
-        wait_healthy(url, procs)
+    urls = start_workers(procs, "context", "generation")
     with Proxy(urls[0], _garble) as ctx, Proxy(urls[1], _garble) as gen:
         c = start_cluster(
             procs,

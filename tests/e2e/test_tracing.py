@@ -9,7 +9,7 @@ from pathlib import Path
 import httpx
 import openai
 
-from tests.conftest import Procs, Proxy, free_port, start_cluster, wait_healthy
+from tests.conftest import Procs, Proxy, start_cluster, start_workers
 from tests.otlp_receiver import OtlpReceiver
 
 CLIENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
@@ -17,12 +17,7 @@ CLIENT_SPAN = "00f067aa0ba902b7"
 
 
 def test_request_and_leg_spans(procs: Procs, tmp_path: Path) -> None:
-    ports = free_port(), free_port()
-    for role, port in zip(("context", "generation"), ports, strict=True):
-        procs.start("worker", "--role", role, "--port", str(port))
-    urls = [f"http://127.0.0.1:{p}" for p in ports]
-    for url in urls:
-        wait_healthy(url, procs)
+    urls = start_workers(procs, "context", "generation")
     proxies = Proxy(urls[0]), Proxy(urls[1])
     with OtlpReceiver() as receiver, proxies[0] as ctx, proxies[1] as gen:
         c = start_cluster(
