@@ -395,3 +395,52 @@ def test_router_tokenizer_arg(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as exc:
         parse_config(_with(router={"type": "kv_cache_aware", "tokenizer": "/nowhere"}))
     assert "router.tokenizer: expected 'tiny' or a directory with config.json" in str(exc.value)
+
+
+def test_etcd_cluster_makes_urls_optional() -> None:
+    cfg = parse_config(
+        {
+            "cluster": {
+                "backend": "etcd",
+                "endpoints": ["etcd://10.0.0.1:2379", "http://[::1]:2380", "etcd-2"],
+                "name": "prod",
+            },
+            "generation_servers": {"urls": ["localhost:9000"]},  # a static member too
+            "router": {"type": "kv_cache_aware"},
+        }
+    )
+    assert cfg.cluster.backend == "etcd" and cfg.cluster.name == "prod"
+    assert cfg.cluster.endpoints == ("10.0.0.1:2379", "[::1]:2380", "etcd-2:2379")
+    assert cfg.context.urls == () and cfg.generation.urls == ("http://localhost:9000",)
+    assert cfg.context.router.type == "kv_cache_aware"
+    assert parse_config(config_to_dict(cfg)) == cfg
+
+
+@pytest.mark.parametrize(
+    ("cluster", "expected"),
+    [
+        ({"backend": "zookeeper"}, "cluster.backend: expected one of static, etcd"),
+        ({"backend": "etcd"}, "cluster.endpoints: backend etcd needs a list"),
+        ({"backend": "etcd", "endpoints": []}, "cluster.endpoints: backend etcd needs a list"),
+        ({"backend": "etcd", "endpoints": ["https://e:2379"]}, "cluster.endpoints[0]: expected"),
+        ({"backend": "etcd", "endpoints": ["e:notaport"]}, "cluster.endpoints[0]: bad port"),
+        ({"backend": "etcd", "endpoints": ["e"], "name": "a/b"}, "cluster.name: expected"),
+        (
+            {"backend": "etcd", "endpoints": ["e"], "nmae": "x"},
+            "cluster.nmae: unknown key; did you mean 'name'?",
+        ),
+        ({"backend": "static", "endpoints": ["e"]}, "cluster.endpoints: is read only with"),
+        ("etcd", "cluster: expected a mapping"),
+    ],
+)
+def test_bad_cluster_block(cluster: Any, expected: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        parse_config({"cluster": cluster})
+    assert str(err.value).startswith(expected), str(err.value)
+
+
+def test_static_cluster_still_needs_urls() -> None:
+    with pytest.raises(ConfigError, match="context_servers: required section"):
+        parse_config({"cluster": {"backend": "static"}})
+    with pytest.raises(ConfigError, match="disagg_cluster is not read"):
+        parse_config({"disagg_cluster": {"cluster_uri": "etcd://x"}, "context_servers": {}})

@@ -15,7 +15,7 @@ from typing import Any
 
 import aiohttp
 
-from disagg.cluster import Cluster
+from disagg.cluster import Cluster, WorkerState
 from disagg.config import ClusterConfig, PoolConfig
 from disagg.internal_auth import signer_for
 from disagg.kv_events import KVEventFeed
@@ -59,6 +59,15 @@ class CacheAwareRouting:
         self.expect_ttl_s, self.routed_ttl_s = EXPECT_TTL_S, ROUTED_TTL_S
         self._expiry: dict[tuple[str, tuple[int, ...]], asyncio.TimerHandle] = {}
         self._recent: OrderedDict[tuple[int, tuple[int, ...]], tuple[int, ...]] = OrderedDict()
+        cluster.subscribe(self._on_change)
+
+    def _on_change(self, change: str, w: WorkerState) -> None:
+        """A worker that left takes its cached prefixes with it (unless it is still in the
+        other pool, as a mixed worker is)."""
+        if change == "removed" and not any(x.url == w.url for x in self.cluster.workers()):
+            self.index.forget(w.url)
+            for feed in self._feeds:
+                feed.forget(w.url)
 
     def policy(self, pool: PoolConfig) -> Policy:
         return make_policy(
@@ -91,7 +100,7 @@ class CacheAwareRouting:
 
     async def _block_size(self, session: aiohttp.ClientSession, pool: PoolConfig) -> int:
         sizes: dict[str, int] = {}
-        for url in pool.urls:
+        for url in [w.url for w in self.cluster.pool(pool.role).workers]:
             try:
                 async with session.get(
                     url + "/server_info", timeout=aiohttp.ClientTimeout(total=5)

@@ -8,15 +8,18 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from disagg import __version__
 from disagg.logs import FORMATS, configure
 
 if TYPE_CHECKING:
+    from aiohttp import web
+
     from disagg.config import ClusterConfig
     from disagg.engine.model import Model
+    from disagg.engine.server import Worker
     from disagg.engine.simulated import Timing
     from disagg.engine.tokenizer import Tokenizer
 
@@ -56,19 +59,61 @@ def _worker(args: argparse.Namespace) -> int:
         timing=timing,
     )
     worker = Worker(model, tokenizer, settings)
+    app = worker.app()
+    listening: Callable[[], None] | None = None
+    if args.register:
+        try:
+            listening = _register(args, worker, app)
+        except (ImportError, ValueError) as exc:
+            print(f"disagg worker: --register: {exc}", file=sys.stderr)
+            return 2
     sim = "" if timing is None else f" (simulated: {args.simulate})"
     logging.getLogger("disagg").info("%s worker for %s on %s%s", args.role, name, advertise, sim)
     run(
         serve(
-            worker.app(),
+            app,
             args.host,
             args.port,
+            ready=listening,
             drain=worker,
             drain_s=args.drain_timeout,
             ssl_context=tls,
         )
     )
     return 0
+
+
+def _register(args: argparse.Namespace, worker: Worker, app: web.Application) -> Callable[[], None]:
+    """Keep this worker's record in etcd while it runs (see `disagg.registration`); the
+    returned function starts it, once the worker listens."""
+    try:
+        from disagg.registration import Registration
+        from disagg.registry import Endpoints, WorkerRecord, parse_endpoints
+    except ImportError as exc:
+        raise ImportError(f"needs the etcd client ({exc}): pip install 'disagg[etcd]'") from None
+    from disagg.config import CLUSTER_NAME
+    from disagg.engine.server import CAPABILITIES
+
+    if not CLUSTER_NAME.fullmatch(args.cluster):
+        raise ValueError(f"--cluster: expected letters, digits, '_', '.' or '-': {args.cluster!r}")
+    record = WorkerRecord(
+        role=worker.settings.role,
+        url=worker.settings.advertise_url,
+        models=[worker.settings.model_name],
+        block_size=worker.settings.block_size,
+        capabilities=list(CAPABILITIES),
+        instance=worker.instance,
+        version=__version__,
+    )
+    endpoints = Endpoints(parse_endpoints(args.register))
+    reg = Registration(endpoints, args.cluster, record, args.register_ttl)
+    worker.drain_listeners.append(reg.mark_draining)
+
+    async def stop(_app: web.Application) -> None:
+        await reg.stop()
+
+    app.on_cleanup.insert(0, stop)  # deregister before the engine stops
+    return reg.start
 
 
 # --sim-* flag -> (the Timing field it overrides, the factor from the flag's unit)
@@ -206,7 +251,25 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--model", default="tiny", help="'tiny' or a local Hugging Face directory")
     w.add_argument("--served-model-name", default=None)
     w.add_argument(
-        "--advertise-url", default=None, help="URL other workers use to fetch KV from this one"
+        "--advertise-url",
+        default=None,
+        help="URL the orchestrators and other workers reach this one at (what --register"
+        " publishes); default http://HOST:PORT",
+    )
+    w.add_argument(
+        "--register",
+        default=None,
+        metavar="etcd://HOST:PORT[,...]",
+        help="register in etcd under a lease while running (needs disagg[etcd])",
+    )
+    w.add_argument(
+        "--cluster", default="default", help="with --register: the cluster's name in etcd"
+    )
+    w.add_argument(
+        "--register-ttl",
+        type=float,
+        default=10.0,
+        help="with --register: seconds a killed worker stays registered (the lease TTL)",
     )
     w.add_argument("--num-blocks", type=int, default=1024)
     w.add_argument("--block-size", type=int, default=16)

@@ -2,10 +2,16 @@
 models they serve, the health monitor that keeps this current, and a circuit breaker per
 worker fed by request outcomes.
 
-Membership comes from a `Discovery` (a static list today; etcd later). The monitor only
-observes and marks workers; it never routes and never touches requests. A worker takes new
-legs when it is ready (health), not draining, and its breaker lets a request through (or
-every ready worker's breaker is open: then the pool fails open).
+Membership starts from a `Discovery` (the config's static lists) and changes at run time:
+`Cluster.add` / `Cluster.remove` are called by the etcd watcher (`disagg.etcd_discovery`)
+and the admin endpoints (`disagg.admin`), and every change is told to the cluster's
+listeners (the health monitor checks a new worker at once; cache-aware routing forgets a
+removed one). A removed worker's legs in flight finish: their reservations hold its state.
+
+The monitor only observes and marks workers; it never routes and never touches requests. A
+worker takes new legs when it is ready (health), neither draining (its own word, on /health
+or in its etcd record) nor cordoned (the admin's word), and its breaker lets a request
+through (or every ready worker's breaker is open: then the pool fails open).
 """
 
 from __future__ import annotations
@@ -92,7 +98,9 @@ class WorkerState:
     url: str
     role: str  # "context" or "generation"
     ready: bool = False
-    draining: bool = False  # the worker said so on /health: no new legs
+    draining: bool = False  # the worker said so (/health or its etcd record): no new legs
+    cordoned: bool = False  # an admin drained it: no new legs until it is removed
+    source: str = "static"  # where it came from: "static" (config), "etcd" or "admin"
     in_flight: int = 0
     models: tuple[str, ...] = ()
     last_error: str | None = None
@@ -113,12 +121,17 @@ class WorkerState:
             return True
         return False
 
+    def takes_legs(self) -> bool:
+        return self.ready and not self.draining and not self.cordoned
+
     def describe(self) -> dict[str, Any]:
         return {
             "url": self.url,
             "role": self.role,
             "ready": self.ready,
             "draining": self.draining,
+            "cordoned": self.cordoned,
+            "source": self.source,
             "breaker": self.breaker.state,
             "in_flight": self.in_flight,
             "models": list(self.models),
@@ -139,7 +152,7 @@ class Pool:
         is open, all of them are (fail open): a breaker steers load, it never empties a pool
         that health checks say can serve."""
         now = time.monotonic()
-        ready = [w for w in self.workers if w.ready and not w.draining and _serves(w, model)]
+        ready = [w for w in self.workers if w.takes_legs() and _serves(w, model)]
         return [w for w in ready if w.breaker.allows(now)] or ready
 
 
@@ -166,15 +179,58 @@ class StaticDiscovery:
         ]
 
 
+Listener = Callable[[str, WorkerState], None]  # ("added" | "removed", the worker)
+
+
 class Cluster:
     def __init__(self, discovery: Discovery, breaker: BreakerSettings | None = None) -> None:
         self.context = Pool("context")
         self.generation = Pool("generation")
+        self.breaker = breaker
+        self._listeners: list[Listener] = []
         for role, url in discovery.members():
             self.pool(role).workers.append(WorkerState(url, role, breaker=Breaker(breaker)))
 
     def pool(self, role: str) -> Pool:
         return self.context if role == "context" else self.generation
+
+    def subscribe(self, listener: Listener) -> None:
+        """Call `listener` after each worker joins or leaves."""
+        self._listeners.append(listener)
+
+    def find(self, role: str, url: str) -> WorkerState | None:
+        return next((w for w in self.pool(role).workers if w.url == url), None)
+
+    def add(
+        self, role: str, url: str, *, source: str = "static", models: Sequence[str] = ()
+    ) -> WorkerState:
+        """A new worker in `role`'s pool, unready until its first health check passes.
+        ValueError if the pool has that URL already."""
+        if self.find(role, url) is not None:
+            raise ValueError(f"the {role} pool has {url} already")
+        w = WorkerState(url, role, source=source, models=tuple(models))
+        w.breaker = Breaker(self.breaker)
+        self.pool(role).workers.append(w)  # in place: the event feeds hold this list
+        log.info("worker %s (%s) joined the cluster (%s)", url, role, source)
+        self._tell("added", w)
+        return w
+
+    def remove(self, role: str, url: str) -> WorkerState | None:
+        """Take the worker out of its pool (its legs in flight finish); None if absent."""
+        w = self.find(role, url)
+        if w is None:
+            return None
+        self.pool(role).workers.remove(w)
+        log.info("worker %s (%s) left the cluster (%s)", url, role, w.source)
+        self._tell("removed", w)
+        return w
+
+    def _tell(self, change: str, w: WorkerState) -> None:
+        for listener in self._listeners:
+            try:
+                listener(change, w)
+            except Exception:  # one listener's bug must not stop membership
+                log.exception("cluster listener failed on %s %s", change, w.url)
 
     def workers(self) -> list[WorkerState]:
         return [*self.context.workers, *self.generation.workers]
@@ -254,11 +310,23 @@ class HealthMonitor:
         self.thresholds = thresholds or Thresholds()
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
         self._periodic = Periodic("health-monitor", self.check_all, interval_s)
+        self._joining: set[asyncio.Task[None]] = set()
+        cluster.subscribe(self._on_change)
+
+    def _on_change(self, change: str, w: WorkerState) -> None:
+        """A worker that joined is checked now, not at the next round: it takes legs within
+        one health check's time of registering."""
+        if change != "added":
+            return
+        task = asyncio.get_running_loop().create_task(self.check(w), name=f"check {w.url}")
+        self._joining.add(task)
+        task.add_done_callback(self._joining.discard)
 
     async def check_all(self) -> None:
-        await asyncio.gather(*(self._check(w) for w in self.cluster.workers()))
+        await asyncio.gather(*(self.check(w) for w in self.cluster.workers()))
 
-    async def _check(self, w: WorkerState) -> None:
+    async def check(self, w: WorkerState) -> None:
+        """One health check of `w` (also run at once for a worker that just joined)."""
         try:
             async with self.session.get(w.url + "/health", timeout=self.timeout) as resp:
                 ok = resp.status == 200
@@ -297,3 +365,6 @@ class HealthMonitor:
 
     async def stop(self) -> None:
         await self._periodic.stop()
+        for task in list(self._joining):
+            task.cancel()
+        await asyncio.gather(*self._joining, return_exceptions=True)

@@ -10,6 +10,7 @@ import dataclasses
 import difflib
 import math
 import os
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +24,7 @@ __all__ = [
     "ClusterConfig",
     "ConditionalDisaggConfig",
     "ConfigError",
+    "DiscoveryConfig",
     "PoolConfig",
     "RouterConfig",
     "config_to_dict",
@@ -166,6 +168,7 @@ PREFILL_FAILURE_POLICIES = ("retry", "local", "fail")
 GENERATION_FAILURE_POLICIES = ("retry", "fail")
 _OWN_KEYS = frozenset(
     {
+        "cluster",
         "worker_startup_timeout",
         "health_check_interval",
         "request_timeout",
@@ -236,6 +239,16 @@ class PoolConfig:
 
 
 @dataclass(frozen=True)
+class DiscoveryConfig:
+    """Where the workers come from: the static lists alone, or also etcd, where workers
+    register themselves under `/disagg/<name>/workers/` (see `disagg.registry`)."""
+
+    backend: str = "static"  # "static" | "etcd"
+    endpoints: tuple[str, ...] = ()  # etcd: "host:port" each, tried in turn
+    name: str = "default"  # the cluster's name: its key prefix in etcd
+
+
+@dataclass(frozen=True)
 class ConditionalDisaggConfig:
     max_local_prefill_length: int = 0
 
@@ -262,6 +275,7 @@ class Secrets:
 class ClusterConfig:
     context: PoolConfig
     generation: PoolConfig
+    cluster: DiscoveryConfig = DiscoveryConfig()
     hostname: str = "127.0.0.1"
     port: int = 8000
     model: str | None = None
@@ -432,14 +446,23 @@ def normalize_url(value: Any, path: str) -> str:
 # --- sections -----------------------------------------------------------------------------------
 
 
-def _parse_urls(section: Mapping[str, Any], path: str, discovery: bool) -> tuple[str, ...]:
+def _parse_urls(section: Mapping[str, Any], path: str, top: Mapping[str, Any]) -> tuple[str, ...]:
+    """The pool's static URLs: required, unless workers come from etcd (then optional)."""
+    discovered = _backend(top) == "etcd"
     if section.get("urls") is None:
-        why = " (disagg_cluster service discovery is not supported)" if discovery else ""
+        if discovered:
+            return ()
+        why = (
+            " (TensorRT-LLM's disagg_cluster is not read: for service discovery set"
+            " cluster: {backend: etcd, endpoints: [...], name: ...})"
+            if "disagg_cluster" in top
+            else ""
+        )
         raise ConfigError(path, f"required: a non-empty list of worker URLs{why}")
     raw = section["urls"]
     if isinstance(raw, str) or not isinstance(raw, list):
         raise ConfigError(path, f"expected a list of URLs, got {_kind(raw)}")
-    if not raw:
+    if not raw and not discovered:
         raise ConfigError(path, "must list at least one worker URL")
     urls = tuple(normalize_url(item, f"{path}[{i}]") for i, item in enumerate(raw))
     for i, url in enumerate(urls):
@@ -521,12 +544,12 @@ def _inherit(section: dict[str, Any], top: Mapping[str, Any], path: str) -> None
 
 def _parse_pool(role: str, top: Mapping[str, Any]) -> PoolConfig:
     path = _SECTIONS[role]
-    if top.get(path) is None:
+    if top.get(path) is None and _backend(top) != "etcd":
         raise ConfigError(path, f"required section is missing (the {role} worker pool)")
-    section = dict(_mapping(top[path], path))
+    section = dict(_mapping(top.get(path) or {}, path))
     _inherit(section, top, path)
     _check_pool_keys(section, path)
-    urls = _parse_urls(section, _join(path, "urls"), discovery="disagg_cluster" in top)
+    urls = _parse_urls(section, _join(path, "urls"), top)
     _check_num_instances(section, len(urls), path)
     extra = {k: v for k, v in section.items() if k not in _POOL_KEYS}
     if section.get("router") is not None:
@@ -534,6 +557,62 @@ def _parse_pool(role: str, top: Mapping[str, Any]) -> PoolConfig:
     else:
         router = _parse_router(top.get("router"), "router", extra)
     return PoolConfig(role=role, urls=urls, router=router, extra=_freeze(extra))
+
+
+DISCOVERY_BACKENDS = ("static", "etcd")
+CLUSTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}")
+
+
+def _backend(top: Mapping[str, Any]) -> str | None:
+    block = top.get("cluster")
+    return block.get("backend") if isinstance(block, Mapping) else None
+
+
+def parse_etcd_endpoint(value: Any, path: str) -> str:
+    """`host:port` from `etcd://host:port`, `http://host:port` or `host:port` (port 2379
+    when left out). https is refused: the etcd client here speaks plain gRPC."""
+    text = _str(value, path).strip()
+    scheme, sep, rest = text.partition("://")
+    if not sep:
+        scheme, rest = "etcd", text
+    if scheme not in ("etcd", "http"):
+        raise ConfigError(path, f"expected etcd://host:port or http://host:port, got {text!r}")
+    parts = urlsplit(f"http://{rest}")
+    try:
+        port = parts.port or 2379
+    except ValueError:
+        raise ConfigError(path, f"bad port in {text!r}") from None
+    if not parts.hostname or parts.path.strip("/") or parts.query:
+        raise ConfigError(path, f"expected etcd://host:port, got {text!r}")
+    host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
+    return f"{host}:{port}"
+
+
+def _parse_cluster(value: Any) -> DiscoveryConfig:
+    if value is None:
+        return DiscoveryConfig()
+    data = _mapping(value, "cluster")
+    _check_keys(data, ("backend", "endpoints", "name"), "cluster")
+    backend = _choice(data.get("backend", "static"), "cluster.backend", DISCOVERY_BACKENDS)
+    if backend == "static":
+        for key in ("endpoints", "name"):
+            if data.get(key) is not None:
+                raise ConfigError(f"cluster.{key}", "is read only with backend: etcd")
+        return DiscoveryConfig()
+    raw = data.get("endpoints")
+    if isinstance(raw, str):
+        raw = [raw]
+    if not isinstance(raw, list) or not raw:
+        raise ConfigError("cluster.endpoints", "backend etcd needs a list of etcd://host:port")
+    endpoints = tuple(
+        parse_etcd_endpoint(item, f"cluster.endpoints[{i}]") for i, item in enumerate(raw)
+    )
+    name = _str(data.get("name", "default"), "cluster.name")
+    if not CLUSTER_NAME.fullmatch(name):
+        raise ConfigError(
+            "cluster.name", f"expected letters, digits, '_', '.' or '-' (1-63), got {name!r}"
+        )
+    return DiscoveryConfig("etcd", endpoints, name)
 
 
 def _parse_conditional(value: Any, path: str) -> ConditionalDisaggConfig | None:
@@ -701,9 +780,11 @@ def parse_config(data: Any) -> ClusterConfig:
     top = _mapping(data, "")
     _check_keys(top, _TOP_KEYS, "")
     _check_ignored(top)
+    cluster = _parse_cluster(top.get("cluster"))  # first: it decides whether urls are needed
     return ClusterConfig(
         context=_parse_pool("context", top),
         generation=_parse_pool("generation", top),
+        cluster=cluster,
         **_server_fields(top),
         **_own_fields(top),
         **_security_fields(top),
@@ -787,7 +868,9 @@ def _yaml_message(exc: yaml.YAMLError) -> str:
 
 def _pool_to_dict(pool: PoolConfig) -> dict[str, Any]:
     router = {"type": pool.router.type, **_thaw(pool.router.args)}
-    out: dict[str, Any] = {"num_instances": len(pool.urls), "urls": list(pool.urls)}
+    out: dict[str, Any] = {"urls": list(pool.urls)}
+    if pool.urls:
+        out = {"num_instances": len(pool.urls), **out}
     out["router"] = router
     out.update(_thaw(pool.extra))
     return out
@@ -846,6 +929,9 @@ def config_to_dict(cfg: ClusterConfig) -> dict[str, Any]:
     for key in _PATH_KEYS:
         if getattr(cfg, key) is not None:
             out[key] = getattr(cfg, key)
+    if cfg.cluster.backend != "static":
+        d = cfg.cluster
+        out["cluster"] = {"backend": d.backend, "endpoints": list(d.endpoints), "name": d.name}
     out |= {
         "context_servers": _pool_to_dict(cfg.context),
         "generation_servers": _pool_to_dict(cfg.generation),

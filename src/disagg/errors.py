@@ -46,9 +46,23 @@ class Unauthorized(DisaggError):
     type = "authentication_error"
 
 
+class Forbidden(DisaggError):
+    """The caller may be who it says, but this action is not allowed here."""
+
+    status = 403
+    type = "permission_error"
+
+
 class NotFound(DisaggError):
     status = 404
     type = "not_found_error"
+
+
+class Conflict(DisaggError):
+    """The request clashes with the current state (e.g. adding a worker a pool has)."""
+
+    status = 409
+    type = "conflict_error"
 
 
 class ModelNotFound(DisaggError):

@@ -102,6 +102,11 @@ class KVEventFeed:
         cur.since = int(data.get("last_event_id") or 0)
         cur.instance = data.get("instance")
 
+    def forget(self, url: str) -> None:
+        """`url` left the cluster: its cursor goes (were it back, it starts afresh)."""
+        self._cursors.pop(url, None)
+        self.without_events.discard(url)
+
     def start(self) -> None:
         self._periodic.start()
 

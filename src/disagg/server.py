@@ -16,11 +16,12 @@ import re
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 from aiohttp import web
 
+from disagg.admin import AdminRoutes
 from disagg.admission import Admission
 from disagg.cache_aware import CacheAwareRouting, StartupError
 from disagg.client_auth import ClientAuth
@@ -50,6 +51,9 @@ from disagg.telemetry import CONTENT_TYPE, Metrics
 from disagg.tracing import RequestSpan, Tracing
 from disagg.upstream import WorkerClient
 
+if TYPE_CHECKING:
+    from disagg.etcd_discovery import EtcdDiscovery
+
 log = logging.getLogger(__name__)
 access = logging.getLogger("disagg.access")  # one line a client request, at info
 
@@ -65,7 +69,8 @@ _URL = re.compile(r"\bhttps?://[^\s,;)'\"]+")
 @web.middleware
 async def public_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Every answer carries `x-request-id` (the client's, else a new one); an error's message
-    loses the internal addresses it names (the log keeps them, with the request id)."""
+    loses the internal addresses it names (the log keeps them, with the request id), except
+    on the admin endpoints, whose callers hold the admin key."""
     rid = request.headers.get(REQUEST_ID_HEADER, "")[:128] or uuid.uuid4().hex
     request["request_id"] = rid
     try:
@@ -80,7 +85,8 @@ async def public_errors(request: web.Request, handler: Handler) -> web.StreamRes
                 exc.status,
                 exc.message,
             )
-        exc.message = _URL.sub("<worker>", exc.message)
+        if not request.path.startswith("/admin/"):  # the admin key's holder knows them
+            exc.message = _URL.sub("<worker>", exc.message)
         resp = error_response(exc)
     if not resp.prepared:  # a stream sent its headers already (see `_serve`)
         resp.headers[REQUEST_ID_HEADER] = rid
@@ -106,6 +112,18 @@ def retry_policy(config: ClusterConfig) -> RetryPolicy:
     if config.disable_retries:
         return RetryPolicy.off()
     return RetryPolicy(config.max_retries, config.transient_retries, config.retry_interval)
+
+
+def _etcd_discovery(config: ClusterConfig, cluster: Cluster, metrics: Metrics) -> EtcdDiscovery:
+    try:
+        from disagg.etcd_discovery import EtcdDiscovery
+        from disagg.registry import Endpoints
+    except ImportError as exc:
+        raise StartupError(
+            f"cluster.backend etcd needs the etcd client ({exc}): pip install 'disagg[etcd]'"
+        ) from None
+    endpoints = Endpoints(config.cluster.endpoints)
+    return EtcdDiscovery(cluster, endpoints, config.cluster.name, metrics)
 
 
 class Frontend:
@@ -160,6 +178,7 @@ class Frontend:
         self._cut = False
         self._health_session: aiohttp.ClientSession | None = None
         self.monitor: HealthMonitor | None = None
+        self.discovery: EtcdDiscovery | None = None
 
     def begin_drain(self) -> None:
         self.draining = True
@@ -191,11 +210,14 @@ class Frontend:
                 web.get("/perf_metrics", self.perf_metrics),
             ]
         )
+        app.add_routes(AdminRoutes(self.cluster, self.auth).routes())
         app.on_startup.append(self._start)
         app.on_cleanup.append(self._stop)
         return app
 
     async def _start(self, _app: web.Application) -> None:
+        if self.config.cluster.backend == "etcd":  # a missing client stops start-up here
+            self.discovery = _etcd_discovery(self.config, self.cluster, self.metrics)
         self._health_session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=self.tls))
         self.monitor = HealthMonitor(
             self.cluster,
@@ -205,6 +227,8 @@ class Frontend:
                 self.config.health_fail_threshold, self.config.health_ok_threshold
             ),
         )
+        if self.discovery is not None:  # after the monitor: it checks each worker found
+            await self.discovery.start()
         timeout = self.config.worker_startup_timeout
         if timeout > 0 and not await self.monitor.wait_ready(timeout):
             log.warning(
@@ -220,6 +244,8 @@ class Frontend:
         self.monitor.start()
 
     async def _stop(self, _app: web.Application) -> None:
+        if self.discovery is not None:
+            await self.discovery.stop()
         await self.cache.stop()
         if self.monitor is not None:
             await self.monitor.stop()
@@ -244,6 +270,8 @@ class Frontend:
             **self.cluster.describe(),
             "admission": {"active": self.admission.active, "queued": self.admission.queued},
         }
+        if self.discovery is not None:
+            info["discovery"] = self.discovery.describe()
         if self.cache.pools:
             info["prefix_index"] = self.cache.stats()
         return json_response(info)

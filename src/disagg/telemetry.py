@@ -65,6 +65,24 @@ class Metrics:
             ["source"],  # predicted | actual
             registry=self.registry,
         )
+        self.discovery_up = Gauge(
+            "disagg_discovery_up",
+            "1 while the service discovery backend answers (etcd); 0: serving on the last view",
+            ["backend"],
+            registry=self.registry,
+        )
+        self.discovery_resyncs = Counter(
+            "disagg_discovery_resyncs",
+            "Full reloads of the membership after the discovery backend was unreachable",
+            ["backend"],
+            registry=self.registry,
+        )
+        self.discovery_changes = Counter(
+            "disagg_discovery_changes",
+            "Workers added to or removed from the pools by service discovery",
+            ["change"],  # added | removed
+            registry=self.registry,
+        )
 
         self._requests(self.registry)
 

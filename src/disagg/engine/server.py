@@ -13,6 +13,7 @@ import dataclasses
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -60,6 +61,8 @@ from disagg.protocol import (
 log = logging.getLogger(__name__)
 
 ROLES = ("context", "generation", "mixed")
+# What this worker can do beyond the legs, as its etcd record tells (`disagg.registry`).
+CAPABILITIES = ("kv_cache_events", "kv_fetch", "kv_push", "kv_handoff", "perf_metrics")
 _KINDS: dict[str, type[Any]] = {
     "completions": CompletionRequest,
     "chat": ChatCompletionRequest,
@@ -114,6 +117,7 @@ class Worker:
         )
         self.instance = uuid.uuid4().hex  # tells a restarted worker from the one before
         self.draining = False
+        self.drain_listeners: list[Callable[[], None]] = []  # e.g. the etcd registration
         self.keeps_listening = True  # while draining, generation workers still pull KV
         self._legs = 0  # inference requests being handled
 
@@ -126,6 +130,8 @@ class Worker:
     def begin_drain(self) -> None:
         """Refuse new legs (503) and say `draining` on /health; KV fetches still work."""
         self.draining = True
+        for listener in self.drain_listeners:
+            listener()
 
     def cut(self) -> None:
         """Nothing to do: the legs still running end when the server closes their
