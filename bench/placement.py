@@ -55,6 +55,7 @@ class Setup:  # what a run varies besides the policy
     concurrency: int = 6
     num_blocks: int = NUM_BLOCKS
     kv_events_interval: float = 0.1
+    replicas: int = 1  # orchestrators over the same workers, requests spread round robin
 
 
 @dataclass(frozen=True)
@@ -148,15 +149,17 @@ async def _send(session: aiohttp.ClientSession, url: str, job: Job, began: float
     return rec
 
 
-async def _load(url: str, jobs: list[Job], concurrency: int) -> list[Record]:
-    """`concurrency` clients take the jobs in order; each sends its next when one finishes."""
+async def _load(urls: list[str], jobs: list[Job], concurrency: int) -> list[Record]:
+    """`concurrency` clients take the jobs in order; each sends its next when one finishes.
+    Job i goes to orchestrator `urls[i % len(urls)]`, as a balancer in front of replicas
+    would spread them (so a chat's turns land on different replicas)."""
     records: list[Record | None] = [None] * len(jobs)
     todo = iter(range(len(jobs)))
     began = asyncio.get_running_loop().time()
 
     async def client(session: aiohttp.ClientSession) -> None:
         for i in todo:
-            records[i] = await _send(session, url, jobs[i], began)
+            records[i] = await _send(session, urls[i % len(urls)], jobs[i], began)
 
     connector = aiohttp.TCPConnector(limit=concurrency + 2)
     async with aiohttp.ClientSession(connector=connector) as session, asyncio.TaskGroup() as tg:
@@ -224,22 +227,27 @@ async def run_policy(
         for role, count in (("context", CONTEXT), ("generation", GENERATION))
         for i, port in enumerate(free_port() for _ in range(count))
     ]
-    config, port = workdir / "cluster.yaml", free_port()
-    orchestrator = Process("orchestrator", ["serve", "--config", str(config)], port, workdir)
+    orchestrators = []
+    for i in range(setup.replicas):
+        config, port = workdir / f"cluster{i}.yaml", free_port()
+        config.write_text(yaml.safe_dump(_config(policy, port, workers, setup)))
+        args = ["serve", "--config", str(config)]
+        orchestrators.append(Process(f"orchestrator{i}", args, port, workdir))
     async with aiohttp.ClientSession() as probe:
         try:
             for w in workers:
                 await w.start()
             for w in workers:
                 await w.wait_healthy(probe)
-            config.write_text(yaml.safe_dump(_config(policy, port, workers, setup)))
-            await orchestrator.start()
-            await orchestrator.wait_healthy(probe)
-            await _all_ready(probe, orchestrator.url)
-            records = await _load(orchestrator.url, jobs, setup.concurrency)
+            for o in orchestrators:
+                await o.start()
+            for o in orchestrators:
+                await o.wait_healthy(probe)
+                await _all_ready(probe, o.url)
+            records = await _load([o.url for o in orchestrators], jobs, setup.concurrency)
             return records, await _generation_hits(probe, workers)
         finally:
-            await asyncio.gather(*(p.stop() for p in (orchestrator, *workers)))
+            await asyncio.gather(*(p.stop() for p in (*orchestrators, *workers)))
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -331,6 +339,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, default=Setup.concurrency)
     parser.add_argument("--num-blocks", type=int, default=NUM_BLOCKS, help="KV blocks a worker")
     parser.add_argument("--events-interval", type=float, default=Setup.kv_events_interval)
+    parser.add_argument("--replicas", type=int, default=1, help="orchestrators, round robin")
     parser.add_argument("--policies", default=",".join(POLICIES), help="comma-separated")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=RESULTS, help="where the JSON goes")
@@ -342,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault(key, value)
     with tempfile.TemporaryDirectory(prefix="disagg-placement-") as tmp:
         workdir = args.workdir or Path(tmp)
-        setup = Setup(args.concurrency, args.num_blocks, args.events_interval)
+        setup = Setup(args.concurrency, args.num_blocks, args.events_interval, args.replicas)
         try:
             result = asyncio.run(run(policies, n, args.seed, setup, workdir))
         except (KeyboardInterrupt, asyncio.CancelledError):
