@@ -345,3 +345,53 @@ def test_a_cancelled_call_undoes_its_result(tiny: Model, when: str) -> None:
     asyncio.run(scenario())
     w.sched.step()  # runs the posted undo
     assert undone == [42]
+
+
+def test_pinned_kv_is_taken_once_from_another_thread(tiny: Model) -> None:
+    """`take_pinned` runs on the event loop thread while the scheduler steps: exactly one
+    taker (fetch, release or lease sweep) gets a pinned sequence's KV, the copy matches the
+    blocks, and the blocks are freed on the scheduler thread."""
+    w = Worker(tiny, num_blocks=16)
+    ctx = w.submit(tokens(3, 3 * B), 20, context_only=True)
+    w.run(ctx)
+    done = w.finish(ctx)
+    assert done is not None and done.finish_reason == "not_finished"
+    blocks = w.sched.pinned[ctx.seq_id][0]
+    expect = w.bm.read_blocks(blocks.block_table[1:])
+    got: list[tuple[np.ndarray, int]] = []
+    taker = threading.Thread(target=lambda: got.append(w.sched.take_pinned(ctx.seq_id, 1)))
+    taker.start()
+    taker.join(timeout=10)
+    assert len(got) == 1 and got[0][1] == 3 * B  # the prompt's tokens
+    np.testing.assert_array_equal(got[0][0], expect)
+    assert not w.sched.release_pinned(ctx.seq_id)  # gone: nobody else gets it
+    with pytest.raises(KeyError):
+        w.sched.take_pinned(ctx.seq_id, 0)
+    w.sched.step()  # the posted free
+    w.assert_drained()
+
+
+def test_a_failed_arrival_ends_only_its_sequence(tiny: Model) -> None:
+    """A sequence whose `on_arrival` (a generation leg storing its KV) raises ends with an
+    engine error and gives its blocks back; the others run on."""
+    w = Worker(tiny, num_blocks=16)
+    ok = w.submit(tokens(4, 2 * B), 3)
+    bad = Sequence(
+        seq_id=w.sched.next_id(),
+        prompt_ids=tokens(5, 2 * B),
+        params=SamplingParams(3, temperature=0.0, ignore_eos=True),
+        sink=lambda ev: w.log.append((bad.seq_id, ev)),
+        detok=IncrementalDetokenizer(w.tokenizer),
+    )
+    bad.blocks = w.bm.allocate(bad.prompt_ids)
+
+    def fail() -> None:
+        raise ValueError("store failed")
+
+    bad.on_arrival = fail
+    w.sched.submit(bad)
+    w.run(ok, bad)
+    w.assert_ok(ok)
+    ev = w.finish(bad)
+    assert ev is not None and (ev.finish_reason, ev.error) == ("error", "internal engine error")
+    w.assert_drained()

@@ -72,6 +72,9 @@ class Sequence:
     rng: np.random.Generator = field(default_factory=np.random.default_rng)
     # When its leg's timing is asked for: steps by name, on the worker's reporting clock.
     times: dict[str, float] | None = None
+    # Run on the scheduler thread as it arrives, before it can be admitted: a generation_only
+    # leg stores its transferred KV here, saving a round trip to this thread.
+    on_arrival: Callable[[], None] | None = None
 
 
 class StopCheck:
@@ -269,6 +272,13 @@ class Scheduler:
     # committed or the producer leaves `running`.
 
     def _arrive(self, seq: Sequence) -> None:
+        if seq.on_arrival is not None:
+            try:
+                seq.on_arrival()
+            except Exception:
+                log.exception("sequence %d could not be set up on arrival", seq.seq_id)
+                self._finish(seq, "error", error="internal engine error")
+                return
         # Hold the cached prefix on arrival, closest to what the router predicted from KV events.
         if seq.blocks is None:  # generation_only sequences come with their KV allocated
             seq.hold = self.bm.hold_prefix(seq.prompt_ids)
@@ -439,7 +449,11 @@ class Scheduler:
 
     def take_pinned(self, ctx_request_id: int, start_block: int) -> tuple[np.ndarray, int]:
         """Hand out a pinned sequence's KV blocks (from `start_block`) and release them.
-        KeyError when unknown, already fetched or past its lease (even if not yet swept)."""
+        KeyError when unknown, already fetched or past its lease (even if not yet swept).
+
+        Safe on the event loop thread, sparing the fetch a turn of this one: the entry is
+        popped in one step, so exactly one of this, `release_pinned` and the lease sweep gets
+        it; nothing writes a pinned sequence's blocks; they are freed on this thread."""
         blocks, deadline = self.pinned.pop(ctx_request_id)
         try:
             if deadline <= time.monotonic():
@@ -447,7 +461,7 @@ class Scheduler:
             data = self.bm.read_blocks(blocks.block_table[start_block:])
             return data, len(blocks.token_ids)
         finally:
-            self.bm.free(blocks)
+            self.post(lambda: self.bm.free(blocks))
 
     def release_pinned(self, ctx_request_id: int) -> bool:
         entry = self.pinned.pop(ctx_request_id, None)
@@ -457,9 +471,9 @@ class Scheduler:
 
     def _sweep_leases(self) -> None:
         now = time.monotonic()
-        for rid in [r for r, (_, deadline) in self.pinned.items() if deadline <= now]:
-            log.warning("pinned KV of request %d not fetched within its lease; freed", rid)
-            self.release_pinned(rid)
+        for rid, (_, deadline) in list(self.pinned.items()):  # one step: see take_pinned
+            if deadline <= now and self.release_pinned(rid):
+                log.warning("pinned KV of request %d not fetched within its lease; freed", rid)
 
     def stats(self) -> dict[str, Any]:
         return {

@@ -17,12 +17,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import aiohttp
 import msgspec
 import numpy as np
 from aiohttp import web
 
-from disagg import __version__
+from disagg import __version__, http1
 from disagg.engine.handoff import Handoff, Handoffs
 from disagg.engine.kv_cache import BlockManager, OutOfBlocks, SeqBlocks
 from disagg.engine.metrics import CONTENT_TYPE as METRICS_TYPE
@@ -106,7 +105,7 @@ class Worker:
             clock=self.clock,
             on_step=self.engine_metrics.step,
         )
-        self._session: aiohttp.ClientSession | None = None
+        self._http: http1.Client | None = None  # KV fetches and pushes to other workers
         key = settings.internal_auth_key
         self.signer = Signer(key) if key else None
         self.verifier = Verifier(key, settings.auth_replay_window_s) if key else None
@@ -176,14 +175,11 @@ class Worker:
 
     async def _start(self, _app: web.Application) -> None:
         self.scheduler.start()
-        self._session = aiohttp.ClientSession(
-            timeout=aiohttp.ClientTimeout(total=self.settings.kv_fetch_timeout_s),
-            connector=aiohttp.TCPConnector(ssl=client_tls(self.settings.ssl_ca_file)),
-        )
+        self._http = http1.Client(client_tls(self.settings.ssl_ca_file))
 
     async def _stop(self, _app: web.Application) -> None:
-        if self._session is not None:
-            await self._session.close()
+        if self._http is not None:
+            self._http.close()
         await asyncio.get_running_loop().run_in_executor(None, self.scheduler.stop)
 
     # -- small endpoints --------------------------------------------------------------------
@@ -239,9 +235,7 @@ class Worker:
         data = decode_body(await request.read())
         rid, start = _int_field(data, "ctx_request_id"), _int_field(data, "start_block", 0)
         try:
-            arr, num_tokens = await self.scheduler.call(
-                lambda: self.scheduler.take_pinned(rid, start)
-            )
+            arr, num_tokens = self.scheduler.take_pinned(rid, start)
         except KeyError:
             raise NotFound(
                 f"no pinned KV for ctx_request_id {rid} (unknown, fetched or expired)"
@@ -372,7 +366,7 @@ class Worker:
             job = dataclasses.replace(job, disagg=disagg)
         else:
             first = self._first_tokens(job.disagg.first_gen_tokens)
-            seq.blocks = await self._receive_kv(job, seq.times)
+            seq.blocks, seq.on_arrival = await self._receive_kv(job, seq.times)
         seq.output_ids = list(first)
         seq.num_computed = seq.num_cached_tokens = len(job.prompt_ids)
         return job
@@ -489,6 +483,19 @@ class Worker:
         except TransferError as exc:
             raise InvalidRequest(str(exc), param=param) from None
 
+    async def _post(self, url: str, body: bytes, content_type: str) -> tuple[int, bytes]:
+        """POST to another worker (signed when this cluster has a key) within the KV fetch
+        timeout: the status and the whole body. http1.HTTPError or TimeoutError when the
+        exchange fails."""
+        assert self._http is not None
+        headers = self._signed(url, body, content_type)
+        async with asyncio.timeout(self.settings.kv_fetch_timeout_s):
+            resp = await self._http.request("POST", url, body, headers)
+            try:
+                return resp.status, await resp.read()
+            finally:
+                resp.release()
+
     def _signed(self, url: str, body: bytes, content_type: str) -> dict[str, str]:
         """Headers for a call to another worker, signed when this cluster has a key."""
         headers = {"Content-Type": content_type}
@@ -547,16 +554,25 @@ class Worker:
 
     # -- KV transfer ------------------------------------------------------------------------
 
-    async def _receive_kv(self, job: Job, times: dict[str, float] | None) -> SeqBlocks:
+    async def _receive_kv(
+        self, job: Job, times: dict[str, float] | None
+    ) -> tuple[SeqBlocks, Callable[[], None]]:
+        """Allocate a generation_only leg's blocks and pull their KV; returns the blocks and
+        what stores the KV in them, for the sequence to run as it reaches the scheduler (the
+        blocks are the sequence's from then on, freed when it ends)."""
         state = self._check_state(job)
         blocks = await self._allocate(job)
         try:
             start = blocks.num_cached_tokens // self.blocks.block_size
             began = self._transfer_began(times)
             payload = await self._fetch(state, start)
-            await self._write(job, blocks, start, payload)
-            self._transfer_ended(times, began, payload)
-            return blocks
+            store = await self._storer(job, blocks, start, payload)
+
+            def arrive() -> None:
+                store()
+                self._transfer_ended(times, began, payload)
+
+            return blocks, arrive
         except BaseException:
             await asyncio.shield(self.scheduler.call(lambda: self.blocks.free(blocks)))
             raise
@@ -593,10 +609,19 @@ class Worker:
             times["kv_transfer_end"] = self.clock()
             times["kv_transfer_bytes"] = nbytes
 
-    async def _write(self, job: Job, blocks: SeqBlocks, start: int, payload: KVPayload) -> None:
-        """Store the transferred KV of the blocks from `start` on (the rest was cached)."""
+    async def _storer(
+        self, job: Job, blocks: SeqBlocks, start: int, payload: KVPayload
+    ) -> Callable[[], None]:
+        """Check the transferred KV of the blocks from `start` on (the rest was cached) and
+        return what stores it, to run on the scheduler thread; it cannot fail on the data."""
         table = blocks.block_table[start:]
-        if payload.data.shape[2] != len(table) or payload.num_tokens != len(job.prompt_ids):
+        kv = self.blocks.kv
+        want = (*kv.shape[:2], len(table), *kv.shape[3:])
+        if (
+            tuple(payload.data.shape) != want
+            or payload.data.dtype != kv.dtype
+            or payload.num_tokens != len(job.prompt_ids)
+        ):
             raise WorkerUnavailable(
                 "KV transfer returned the wrong number of blocks/tokens", code=KV_TRANSFER_FAILED
             )
@@ -609,7 +634,7 @@ class Worker:
         moved = len(job.prompt_ids) - start * self.blocks.block_size
         if timing is not None and (delay := timing.transfer_s(moved)) > 0:
             await asyncio.sleep(delay)  # the real model's KV would take that long to arrive
-        await self.scheduler.call(store)
+        return store
 
     def _check_state(self, job: Job) -> OpaqueState:
         if not job.disagg.encoded_opaque_state:
@@ -635,25 +660,22 @@ class Worker:
         return state
 
     async def _fetch(self, state: OpaqueState, start_block: int) -> KVPayload:
-        assert self._session is not None
         url = state.endpoint.rstrip("/") + "/kv/fetch"
         body = msgspec.json.encode(
             {"ctx_request_id": state.ctx_request_id, "start_block": start_block}
         )
-        headers = self._signed(url, body, "application/json")
         try:
-            async with self._session.post(url, data=body, headers=headers) as resp:
-                raw = await resp.read()
-                if resp.status != 200:
-                    raise WorkerUnavailable(
-                        f"KV fetch from the context worker failed ({resp.status}): "
-                        + raw[:300].decode(errors="replace"),
-                        code=KV_TRANSFER_FAILED,
-                    )
-        except (aiohttp.ClientError, TimeoutError) as exc:
+            status, raw = await self._post(url, body, "application/json")
+        except (http1.HTTPError, TimeoutError) as exc:
             raise WorkerUnavailable(
                 f"KV fetch from the context worker failed: {exc!r}", code=KV_TRANSFER_FAILED
             ) from None
+        if status != 200:
+            raise WorkerUnavailable(
+                f"KV fetch from the context worker failed ({status}): "
+                + raw[:300].decode(errors="replace"),
+                code=KV_TRANSFER_FAILED,
+            )
         try:
             return KVPayload.from_bytes(raw, state)
         except TransferError as exc:
@@ -715,7 +737,7 @@ class Worker:
             else:
                 assert handoff.state is not None
                 payload = await self._fetch(self._check_layout(handoff.state, job), start)
-            await self._write(job, blocks, start, payload)
+            await self.scheduler.call(await self._storer(job, blocks, start, payload))
             self._transfer_ended(times, began, payload)
         except BaseException as exc:
             if not handoff.stored.done():
@@ -735,7 +757,6 @@ class Worker:
         target, rid = job.disagg.gen_info_endpoint, job.disagg.gen_request_id
         if not target or rid is None:
             return False
-        assert self._session is not None
         sid = seq.seq_id
 
         def read() -> KVPayload | None:
@@ -758,14 +779,13 @@ class Worker:
             body = KVPayload(kv.data, kv.num_tokens, meta).to_bytes()
             self.engine_metrics.moved_out(kv.data.nbytes)
             url = target.rstrip("/") + "/kv/push"
-            headers = self._signed(url, body, "application/octet-stream")
-            async with self._session.post(url, data=body, headers=headers) as resp:
-                if resp.status != 200:
-                    why = (await resp.read())[:200].decode(errors="replace")
-                    log.info("KV push of sequence %d refused (%d): %s", sid, resp.status, why)
-                    self.transfers["push_refused"] += 1
-                    return False
-        except (aiohttp.ClientError, TimeoutError) as exc:
+            status, raw = await self._post(url, body, "application/octet-stream")
+            if status != 200:
+                why = raw[:200].decode(errors="replace")
+                log.info("KV push of sequence %d refused (%d): %s", sid, status, why)
+                self.transfers["push_refused"] += 1
+                return False
+        except (http1.HTTPError, TimeoutError) as exc:
             log.info("KV push of sequence %d failed (%r); it stays pinned for a pull", sid, exc)
             self.transfers["push_refused"] += 1
             return False
