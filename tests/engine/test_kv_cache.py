@@ -415,6 +415,15 @@ def test_block_hashes_differ_on_earlier_change(toks: list[int], data: st.DataObj
     assert all(x != y for x, y in zip(h1[first:], h2[first:], strict=True))
 
 
+@given(st.lists(st.integers(0, 2**40), max_size=60), st.integers(1, 8))
+def test_block_hashes_chain_hash_block(toks: list[int], bs: int) -> None:
+    # block_hashes converts the tokens once; it must stay hash_block, block by block
+    chain: list[int] = []
+    for i in range(len(toks) // bs):
+        chain.append(hash_block(chain[-1] if chain else None, toks[i * bs : (i + 1) * bs]))
+    assert block_hashes(toks, bs) == chain
+
+
 def test_block_hashes_known_value() -> None:
     # pins the cross-process hash definition (router recomputes it)
     assert block_hashes([], 4) == []

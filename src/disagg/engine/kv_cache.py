@@ -51,14 +51,22 @@ def hash_block(parent_hash: int | None, tokens: Sequence[int]) -> int:
 
 
 def block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
-    """Chained hashes of the full blocks of ``token_ids`` (a trailing partial block is ignored)."""
+    """Chained hashes of the full blocks of ``token_ids`` (a trailing partial block is ignored);
+    the same as ``hash_block`` block by block, with the tokens converted once."""
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
+    n = len(token_ids) // block_size
+    if n == 0:
+        return []
+    data = memoryview(np.asarray(token_ids[: n * block_size], dtype="<i8").tobytes())
+    step = 8 * block_size
+    parent = ROOT_HASH.to_bytes(8, "little")
     out: list[int] = []
-    parent: int | None = None
-    for i in range(len(token_ids) // block_size):
-        parent = hash_block(parent, token_ids[i * block_size : (i + 1) * block_size])
-        out.append(parent)
+    for i in range(n):
+        h = hashlib.blake2b(parent, digest_size=8)
+        h.update(data[i * step : (i + 1) * step])
+        parent = h.digest()
+        out.append(int.from_bytes(parent, "little"))
     return out
 
 
@@ -279,10 +287,11 @@ class BlockManager:
         run: list[int] = []  # hashes newly stored in the current contiguous run
         run_parent: int | None = None
         run_tokens: list[int] = []
+        known = seq.prompt_hashes  # the prompt's blocks were hashed at allocation
         for i in range(len(seq.hashes), num_computed // bs):
             parent = seq.hashes[-1] if seq.hashes else None
             tokens = seq.token_ids[i * bs : (i + 1) * bs]
-            h = hash_block(parent, tokens)
+            h = known[i] if i < len(known) else hash_block(parent, tokens)
             seq.hashes.append(h)
             block = seq.block_table[i]
             if h in self._hash_to_block:  # duplicate content: keep the existing mapping
