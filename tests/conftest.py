@@ -99,11 +99,8 @@ def start_cluster(
 
 @pytest.fixture(scope="session")
 def procs() -> Iterator[Procs]:
-    p = Procs()
-    try:
+    with Procs() as p:
         yield p
-    finally:
-        p.stop()
 
 
 @pytest.fixture(scope="session")

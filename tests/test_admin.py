@@ -36,11 +36,8 @@ AUTH = {"Authorization": f"Bearer {ADMIN}"}
 @pytest.fixture(scope="module")
 def module_procs() -> Iterator[Procs]:
     """This module's own processes, stopped when its tests are done."""
-    procs = Procs()
-    try:
+    with Procs() as procs:
         yield procs
-    finally:
-        procs.stop()
 
 
 @pytest.fixture(scope="module")
@@ -196,18 +193,23 @@ def test_a_body_that_is_not_json_is_400(keyed: Cluster) -> None:
     _error(r, 400)
 
 
+def _every_change(url: str) -> list[tuple[str, dict[str, str]]]:
+    """One request of each admin change, on worker `url` (add: a new one)."""
+    return [
+        ("add", {"role": "generation", "url": "http://127.0.0.1:9"}),
+        ("drain", {"url": url}),
+        ("resume", {"url": url}),
+        ("remove", {"url": url}),
+    ]
+
+
 @pytest.mark.parametrize(
     "headers", [{}, {"Authorization": "Bearer sk-wrong"}, {"Authorization": f"Bearer {CLIENT}"}]
 )
 def test_without_the_admin_key_is_401(keyed: Cluster, headers: dict[str, str]) -> None:
     assert _error(httpx.get(keyed.url + "/admin/workers", headers=headers), 401)
     url = keyed.generation_urls[0]
-    for action, body in [
-        ("add", {"role": "generation", "url": "http://127.0.0.1:9"}),
-        ("drain", {"url": url}),
-        ("resume", {"url": url}),
-        ("remove", {"url": url}),
-    ]:
+    for action, body in _every_change(url):
         err = _error(_post(keyed, action, body, headers), 401)
         assert err["type"] == "authentication_error" and ADMIN not in str(err)
     info = _workers(keyed)["generation_servers"]
@@ -230,12 +232,7 @@ def test_no_admin_key_configured_refuses_every_change(
     r = httpx.get(open_.url + "/admin/workers")  # the view is open, as /cluster_info is
     assert r.status_code == 200 and len(r.json()["generation_servers"]) == 2
     url = keyed.generation_urls[0]
-    for action, body in [
-        ("add", {"role": "generation", "url": "http://127.0.0.1:9"}),
-        ("drain", {"url": url}),
-        ("resume", {"url": url}),
-        ("remove", {"url": url}),
-    ]:
+    for action, body in _every_change(url):
         for headers in ({}, AUTH):
             err = _error(_post(open_, action, body, headers), 403)
             assert err["type"] == "permission_error" and "admin key" in err["message"]

@@ -35,6 +35,12 @@ class Processes:
     def __init__(self) -> None:
         self.procs: list[subprocess.Popen[bytes]] = []
 
+    def __enter__(self) -> Processes:
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.stop()
+
     def start(self, *args: str) -> None:
         cmd = [sys.executable, "-m", "disagg.cli", "--log-level", "warning", *args]
         self.procs.append(subprocess.Popen(cmd, stdin=subprocess.DEVNULL))

@@ -29,11 +29,8 @@ LONG = {
 @pytest.fixture
 def own() -> Iterator[Procs]:
     """Processes of this test alone, so that it may signal them."""
-    p = Procs()
-    try:
+    with Procs() as p:
         yield p
-    finally:
-        p.stop()
 
 
 def _process(procs: Procs, url: str) -> subprocess.Popen[bytes]:

@@ -42,11 +42,8 @@ def etcd(tmp_path: Path) -> Iterator[EtcdServer]:
 
 @pytest.fixture
 def procs() -> Iterator[Procs]:
-    p = Procs()
-    try:
+    with Procs() as p:
         yield p
-    finally:
-        p.stop()
 
 
 def register(procs: Procs, etcd: EtcdServer, role: str, *args: str) -> tuple[str, Any]:
