@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import threading
 import time
@@ -311,6 +312,18 @@ def broken(request: pytest.FixtureRequest) -> Iterator[BrokenWorker]:
     worker = BrokenWorker(request.param)
     with worker:
         yield worker
+
+
+def error_of(r: httpx.Response) -> dict[str, Any]:
+    """The error a request got: its error body, or (a stream that had begun) the error event
+    that ends it, just before `[DONE]`."""
+    if not r.headers.get("content-type", "").startswith("text/event-stream"):
+        error: dict[str, Any] = r.json()["error"]
+        return error
+    events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]", events
+    error = json.loads(events[-2])["error"]
+    return error
 
 
 def route_of(response: Any) -> dict[str, str]:

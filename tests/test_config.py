@@ -265,6 +265,11 @@ BAD: list[tuple[str, Any, str]] = [
         _with(generation_first_transfer="mail"),
         "generation_first_transfer: expected one of push, pull",
     ),
+    (
+        "bad first token",
+        _with(stream_first_token="worker"),
+        "stream_first_token: expected one of context, generation",
+    ),
     ("not a mapping", ["context_servers"], "expected a mapping at the top level, got list"),
     ("empty file", None, "the config file is empty"),
     ("pool not a mapping", _with(context_servers=["h:1"]), "context_servers: expected a mapping"),
@@ -337,6 +342,13 @@ def test_generation_first_keys() -> None:
     assert (cfg.schedule_style, cfg.generation_first_transfer) == ("context_first", "push")
     cfg = parse_config(_with(schedule_style="generation_first", generation_first_transfer="pull"))
     assert (cfg.schedule_style, cfg.generation_first_transfer) == ("generation_first", "pull")
+    assert parse_config(config_to_dict(cfg)) == cfg
+
+
+def test_stream_first_token() -> None:
+    assert parse_config(MINIMAL).stream_first_token == "context"
+    cfg = parse_config(_with(stream_first_token="generation"))
+    assert cfg.stream_first_token == "generation"
     assert parse_config(config_to_dict(cfg)) == cfg
 
 

@@ -43,6 +43,7 @@ ROUTER_TYPES = (
 )
 SCHEDULE_STYLES = ("context_first", "generation_first")
 GENERATION_FIRST_TRANSFERS = ("push", "pull")  # who moves the KV in generation_first
+FIRST_TOKEN_SENDERS = ("context", "generation")  # who sends a stream's first token
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 _SECTIONS = {"context": "context_servers", "generation": "generation_servers"}
@@ -195,6 +196,7 @@ _OWN_KEYS = frozenset(
         "queue_timeout",
         "kv_events_interval",
         "generation_first_transfer",
+        "stream_first_token",
         "request_perf_metrics",
         # security (see `Secrets` and the limits in ClusterConfig)
         "api_keys_file",
@@ -285,6 +287,9 @@ class ClusterConfig:
     # generation_first: the context worker pushes the KV to the waiting generation worker, or
     # the orchestrator tells that worker where to pull it (push falls back to pull by itself).
     generation_first_transfer: str = "push"
+    # A stream's first token: sent by the orchestrator from the context leg's answer at once
+    # ("context"), or by the generation worker once it holds the KV ("generation").
+    stream_first_token: str = "context"
     perf_metrics_max_requests: int = 0
     # Ask each worker for its timing of the leg (GET /perf_metrics then has both legs' steps).
     request_perf_metrics: bool = False
@@ -743,6 +748,10 @@ def _own_fields(top: Mapping[str, Any]) -> dict[str, Any]:
             "generation_first_transfer",
             GENERATION_FIRST_TRANSFERS,
         )
+    if "stream_first_token" in top:
+        fields["stream_first_token"] = _choice(
+            top["stream_first_token"], "stream_first_token", FIRST_TOKEN_SENDERS
+        )
     if "on_generation_failure" in top:
         fields["on_generation_failure"] = _choice(
             top["on_generation_failure"], "on_generation_failure", GENERATION_FAILURE_POLICIES
@@ -912,6 +921,7 @@ def config_to_dict(cfg: ClusterConfig) -> dict[str, Any]:
         "request_perf_metrics": cfg.request_perf_metrics,
         "on_generation_failure": cfg.on_generation_failure,
         "generation_first_transfer": cfg.generation_first_transfer,
+        "stream_first_token": cfg.stream_first_token,
         "breaker_failures": cfg.breaker_failures,
         "breaker_cooldown": cfg.breaker_cooldown,
         "drain_timeout": cfg.drain_timeout,

@@ -140,6 +140,40 @@ class Endpoint:
         shape: Shape = self.shape_type(rid, str(resp.get("model", "")), resp.get("created"))
         return shape
 
+    # -- streams whose first token went ahead (see `disagg.ahead`) ---------------------------
+
+    def streams_ahead(self, body: dict[str, Any]) -> bool:
+        """Whether a stream's first token may go to the client from the context answer: not
+        when the client asks for what that answer may not carry in the stream's shape (log
+        probabilities, several choices, the prompt echoed) or for tools (a worker may turn
+        its output into tool calls)."""
+        return (
+            body.get("n") in (None, 1)
+            and not body.get("logprobs")
+            and not body.get("top_logprobs")
+            and not body.get("echo")
+            and not body.get("tools")
+        )
+
+    def stream_ids(self, shape: Shape) -> dict[str, str]:
+        """The ids a stream of `shape` names its events by."""
+        return {"id": str(getattr(shape, "rid", ""))}
+
+    def event_ids(self, event: dict[str, Any]) -> dict[str, Any]:
+        """The ids in one event of a worker's stream, by the names of `stream_ids`."""
+        return {"id": event.get("id")}
+
+    def event_text(self, event: dict[str, Any]) -> str | None:
+        """The text one event of a worker's stream adds: "" for an event that only opens the
+        stream, None for any other kind (an end, usage, an error)."""
+        choice = _only_choice(event)
+        if choice is None or "text" not in choice:
+            return None
+        return str(choice["text"] or "")
+
+    def set_event_text(self, event: dict[str, Any], text: str) -> None:
+        event["choices"][0]["text"] = text
+
     def finished_stream(
         self, resp: dict[str, Any], ctx: ContextOutcome, include_usage: bool
     ) -> list[bytes]:
@@ -153,6 +187,15 @@ class Endpoint:
         )
         out.append(DONE)
         return out
+
+
+def _only_choice(event: dict[str, Any]) -> dict[str, Any] | None:
+    """A stream event's single choice while it is not finished."""
+    choices = event.get("choices")
+    if not isinstance(choices, list) or len(choices) != 1 or not isinstance(choices[0], dict):
+        return None
+    choice: dict[str, Any] = choices[0]
+    return choice if choice.get("finish_reason") is None else None
 
 
 def _merged(ctx_usage: dict[str, Any], completion_tokens: int | None) -> dict[str, Any]:
@@ -185,6 +228,16 @@ class Chat(Endpoint):
 
     def _text(self, choice: dict[str, Any]) -> str:
         return str((choice.get("message") or {}).get("content") or "")
+
+    def event_text(self, event: dict[str, Any]) -> str | None:
+        choice = _only_choice(event)
+        delta = None if choice is None else choice.get("delta")
+        if not isinstance(delta, dict) or not set(delta) <= {"role", "content"}:
+            return None  # tool calls, reasoning, refusals: not plain text
+        return str(delta.get("content") or "")
+
+    def set_event_text(self, event: dict[str, Any], text: str) -> None:
+        event["choices"][0]["delta"]["content"] = text
 
 
 class Responses(Endpoint):
@@ -244,6 +297,38 @@ class Responses(Endpoint):
             str(resp.get("id") or ""), str(resp.get("model", "")), resp.get("created_at")
         )
 
+    def stream_ids(self, shape: Shape) -> dict[str, str]:
+        assert isinstance(shape, ResponsesShape)
+        return {"id": shape.rid, "item": shape.msg_id}
+
+    def event_ids(self, event: dict[str, Any]) -> dict[str, Any]:
+        kind = event.get("type")
+        if kind in ("response.created", "response.in_progress"):
+            return {"id": (event.get("response") or {}).get("id")}
+        if kind == "response.output_item.added":
+            return {"item": (event.get("item") or {}).get("id")}
+        return {"item": event.get("item_id")}
+
+    def event_text(self, event: dict[str, Any]) -> str | None:
+        kind = event.get("type")
+        if kind in _RESPONSES_OPENING:
+            return ""
+        if kind == "response.output_text.delta":
+            return str(event.get("delta") or "")
+        return None
+
+    def set_event_text(self, event: dict[str, Any], text: str) -> None:
+        event["delta"] = text
+
+
+_RESPONSES_OPENING = frozenset(
+    {
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+    }
+)
 
 ENDPOINTS: dict[str, Endpoint] = {
     "completions": Completions(),

@@ -9,11 +9,20 @@ and its leg sent at once; it allocates its blocks and waits while the context le
 context worker pushes the KV there (or, pulling, the orchestrator tells the waiting leg where
 the KV is). Anything that fails before the waiting leg holds the KV falls back to the
 context-first generation leg, the handoff that the rest of this module knows how to retry.
+
+A stream's first token goes to the client as soon as the context leg answers
+(`stream_first_token: context`, see `disagg.ahead`); its generation leg runs inside the
+stream. A generation leg that fails there is retried by the same rules: nothing of it has
+reached the client. When a retry needs a new context leg (`_Replan`), the new generation leg
+continues from the token already sent, not the one that leg sampled (the prompt's KV does
+not depend on it). With `stream_first_token: generation` the stream starts only once the
+generation worker holds the KV, so a failure before that is an HTTP error status.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import secrets
@@ -22,6 +31,7 @@ from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
+from disagg.ahead import Ahead
 from disagg.clock_offsets import ClockOffsets
 from disagg.cluster import WorkerState
 from disagg.endpoints import ContextOutcome, Endpoint
@@ -145,9 +155,12 @@ class Orchestrator:
         cache: CacheAwareRouting | None = None,
         generation_first: str | None = None,
         tracing: Tracing | None = None,
+        first_token: str = "context",
     ) -> None:
         """`generation_first`: None (context first), or how its KV moves: "push" or "pull";
-        `tracing`: where each leg's span goes (its trace context travels with the leg)."""
+        `tracing`: where each leg's span goes (its trace context travels with the leg);
+        `first_token`: who sends a stream's first token, "context" (the orchestrator, from
+        the context answer, at once) or "generation" (the generation worker)."""
         self.context_policy, self.generation_policy = context_policy, generation_policy
         self.client = client
         self.retry = retry or RetryPolicy()
@@ -155,6 +168,7 @@ class Orchestrator:
         self.cache = cache
         self.generation_first = generation_first
         self.tracing = tracing or Tracing()
+        self.first_token = first_token
         # Random high bits keep ids apart across restarts and replicas; the low 32 bits count.
         self._ids = itertools.count((secrets.randbits(31) << 32) + 1)
 
@@ -219,6 +233,28 @@ class Orchestrator:
                     chunks = job.endpoint.finished_stream(ctx_resp, ctx, job.include_usage)
                     return Result(route, chunks=_iterate(chunks))
                 return Result(route, body=job.endpoint.clean(ctx_resp, None))
+            handed, early = early, None  # the generation phase owns it from here
+        finally:
+            if early is not None:
+                await early.cancel()
+        if job.stream and self.first_token == "context" and job.endpoint.streams_ahead(job.body):
+            stream = _AheadStream(self, job, request, route, budget, ctx_resp, ctx, handed)
+            return Result(route, chunks=stream.chunks(), close=stream.close)
+        return await self._generation_phase(job, request, route, ctx, budget, handed)
+
+    async def _generation_phase(
+        self,
+        job: Job,
+        request: RouteRequest,
+        route: Route,
+        ctx: ContextOutcome,
+        budget: RetryBudget,
+        early: _EarlyGeneration | None,
+        placed: _Placed | None = None,
+    ) -> Result:
+        """After the context leg: the waiting generation_first leg joined to its KV, or
+        (none, or it did not take) a generation leg; `placed`: its first attempt's worker."""
+        try:
             if early is not None:
                 joined = await self._join_early(job, route, ctx, early)
                 if joined is not None:
@@ -228,7 +264,39 @@ class Orchestrator:
         finally:
             if early is not None:
                 await early.cancel()
-        return await self._generation_leg(job, request, route, ctx, budget)
+        return await self._generation_leg(job, request, route, ctx, budget, placed)
+
+    async def _after_first(
+        self,
+        job: Job,
+        request: RouteRequest,
+        route: Route,
+        budget: RetryBudget,
+        ahead: Ahead,
+        early: _EarlyGeneration | None,
+        placed: _Placed | None,
+        ctx: ContextOutcome,
+    ) -> Result:
+        """The generation phase of a stream whose first token went ahead, with its replans:
+        a new context leg, and the generation leg continued from the tokens sent."""
+        while True:
+            try:
+                return await self._generation_phase(job, request, route, ctx, budget, early, placed)
+            except _Replan as replan:
+                early = placed = None
+                if not budget.spend(replan.cause):
+                    raise replan.cause from None
+                route.retries = budget.attempts - 1
+                request = request.avoiding(replan.avoid)
+                await self._pause(replan.cause, route)
+            ctx_budget = RetryPolicy.off().budget() if job.on_prefill_failure == "fail" else budget
+            _, ctx = await self._context_leg(job.endpoint, job.body, request, route, ctx_budget)
+            if ctx.finished or not ahead.tokens:
+                raise WorkerUnavailable(
+                    "the generation leg failed and the new context leg cannot continue the"
+                    " tokens already streamed"
+                )
+            ctx = replace(ctx, params={**ctx.params, "first_gen_tokens": ahead.tokens})
 
     async def _context_phase(
         self,
@@ -359,18 +427,13 @@ class Orchestrator:
         route: Route,
         ctx: ContextOutcome,
         budget: RetryBudget,
+        placed: _Placed | None = None,
     ) -> Result:
-        # The prompt's real tokens are known now.
-        request = replace(
-            request,
-            tokens=job.endpoint.expected_tokens(job.body, len(ctx.prompt_token_ids)),
-            block_hashes=(
-                self.cache.hashes("generation", ctx.prompt_token_ids) if self.cache else ()
-            ),
-        )
+        request = placed.request if placed else self._for_generation(job, request, ctx)
         while True:
             try:
-                return await self._generation_attempt(job, request, route, ctx)
+                reservation, placed = (placed.reservation if placed else None), None
+                return await self._generation_attempt(job, request, route, ctx, reservation)
             except DisaggError as exc:
                 if job.on_generation_failure == "fail" and _worker_fault(exc):
                     self._release_context_kv(route, ctx)
@@ -394,12 +457,36 @@ class Orchestrator:
                 self._release_context_kv(route, ctx)
                 raise
 
+    def _for_generation(self, job: Job, request: RouteRequest, ctx: ContextOutcome) -> RouteRequest:
+        """`request` as the generation pool places it: the prompt's real tokens are known."""
+        return replace(
+            request,
+            tokens=job.endpoint.expected_tokens(job.body, len(ctx.prompt_token_ids)),
+            block_hashes=(
+                self.cache.hashes("generation", ctx.prompt_token_ids) if self.cache else ()
+            ),
+        )
+
+    def _place_first(
+        self, job: Job, request: RouteRequest, route: Route, ctx: ContextOutcome
+    ) -> _Placed:
+        """Place a generation leg now (the route header names its worker) and send it later."""
+        request = self._for_generation(job, request, ctx)
+        return _Placed(request, self._place_generation(request, route))
+
     async def _generation_attempt(
-        self, job: Job, request: RouteRequest, route: Route, ctx: ContextOutcome | None
+        self,
+        job: Job,
+        request: RouteRequest,
+        route: Route,
+        ctx: ContextOutcome | None,
+        reservation: Reservation | None = None,
     ) -> Result:
         """One generation-pool attempt: the generation leg of `ctx`, or without a context leg
-        (None) the whole request, aggregated, on a generation worker."""
-        reservation = self._place_generation(request, route)
+        (None) the whole request, aggregated, on a generation worker; `reservation`: its
+        worker, placed already."""
+        if reservation is None:
+            reservation = self._place_generation(request, route)
         payload = (
             job.body
             if ctx is None
@@ -606,6 +693,95 @@ class _EarlyGeneration:
             if isinstance(opened, UpstreamStream):
                 opened.close()
             self.reservation.finish(False)
+
+
+@dataclass(frozen=True)
+class _Placed:
+    """A generation leg's worker, chosen before the leg is sent."""
+
+    request: RouteRequest
+    reservation: Reservation
+
+
+class _AheadStream:
+    """A stream whose first token went ahead (`disagg.ahead`): that head, then the
+    generation phase's stream without what the head sent. Until its generation phase runs,
+    it owns what the request holds: the generation leg's reservation (placed now, so the
+    route header names its worker) or waiting generation_first leg, and the context KV."""
+
+    def __init__(
+        self,
+        orch: Orchestrator,
+        job: Job,
+        request: RouteRequest,
+        route: Route,
+        budget: RetryBudget,
+        resp: dict[str, Any],
+        ctx: ContextOutcome,
+        early: _EarlyGeneration | None,
+    ) -> None:
+        self.orch, self.job, self.request, self.route, self.budget = (
+            orch,
+            job,
+            request,
+            route,
+            budget,
+        )
+        self.ctx, self.early = ctx, early
+        self.ahead = Ahead(job.endpoint, resp, ctx)
+        self.placed: _Placed | None = None
+        if early is None:
+            # no worker to place it on now: the generation phase's own rules decide
+            with contextlib.suppress(DisaggError):
+                self.placed = orch._place_first(job, request, route, ctx)
+        self.inner: Result | None = None
+        self.started = False
+
+    async def chunks(self) -> AsyncGenerator[bytes, None]:
+        yield self.ahead.head
+        early, placed, self.early, self.placed = self.early, self.placed, None, None
+        self.started = True
+        error: DisaggError | None = None
+        try:
+            async with asyncio.timeout_at(self.route.deadline):
+                self.inner = await self.orch._after_first(
+                    self.job,
+                    self.request,
+                    self.route,
+                    self.budget,
+                    self.ahead,
+                    early,
+                    placed,
+                    self.ctx,
+                )
+        except (TimeoutError, DeadlineExceeded):
+            limit = self.orch.deadlines.request_s
+            error = DeadlineExceeded(f"the request did not finish within {limit:g} s")
+        except DisaggError as exc:
+            error = exc
+        if error is not None or self.inner is None or self.inner.chunks is None:
+            log.info("generation phase after the first token failed: %s", error)
+            yield sse_data((error or WorkerUnavailable("no generation stream")).body()) + DONE
+            return
+        async with contextlib.aclosing(self.inner.chunks) as chunks:
+            async for chunk in chunks:
+                out = self.ahead.strip(chunk)
+                if out:
+                    yield out
+
+    async def close(self) -> None:
+        """The stream is over, or never ran: free what its generation phase did not take."""
+        if self.placed is not None:
+            self.placed.reservation.finish(False)
+            self.placed = None
+        if self.early is not None:
+            early, self.early = self.early, None
+            await early.cancel()
+        if not self.started:
+            self.started = True
+            self.orch._release_context_kv(self.route, self.ctx)
+        if self.inner is not None:
+            await self.inner.close()
 
 
 class _Replan(Exception):

@@ -161,6 +161,7 @@ class Frontend:
             if config.schedule_style == "generation_first"
             else None,
             self.tracing,
+            config.stream_first_token,
         )
         self.admission = Admission(
             config.max_concurrent_requests, config.max_queued_requests, config.queue_timeout
