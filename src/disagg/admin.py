@@ -1,8 +1,10 @@
 """The operator's admin endpoints on the orchestrator: list the workers, add one, drain
 (cordon) one, resume it, remove it, all at run time and on this replica only.
 
-Every endpoint needs the admin key; the mutations are refused (403) when no admin key is
-configured, so an open cluster cannot be reconfigured by anyone. A worker registered in
+Every endpoint needs the admin key when one is configured; the mutations are refused (403)
+when none is, so an open cluster cannot be reconfigured by anyone (the list stays readable,
+like `/cluster_info`). A drain outlasts the worker leaving and rejoining (an etcd lease
+that expired while etcd was out of reach) until it is resumed or removed. A worker registered in
 etcd is never removed here (it leaves with its lease): it can only be drained. Membership
 itself lives in `disagg.cluster`; this module checks, parses and calls it, nothing more.
 """
@@ -81,7 +83,7 @@ class AdminRoutes:
         workers = self._find(await self._body(request, WorkerRef))
         for w in workers:
             if w.cordoned != cordoned:
-                w.cordoned = cordoned
+                self.cluster.cordon(w, cordoned)
                 _log_change(request, "drained" if cordoned else "resumed", w)
         return json_response({"workers": [w.describe() for w in workers]})
 
@@ -95,6 +97,7 @@ class AdminRoutes:
             )
         for w in workers:
             self.cluster.remove(w.role, w.url)
+            self.cluster.cordon(w, False)  # the admin's word ends with the worker
             _log_change(request, "removed", w)
         return json_response({"workers": [w.describe() for w in workers]})
 

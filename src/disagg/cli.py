@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
 
 def _worker(args: argparse.Namespace) -> int:
-    from disagg.config import ConfigError, worker_auth_key
+    from disagg.config import ConfigError, normalize_url, worker_auth_key
     from disagg.engine.server import Worker, WorkerSettings
     from disagg.http import run, serve, server_tls
 
@@ -44,6 +44,11 @@ def _worker(args: argparse.Namespace) -> int:
         return 2
     scheme = "https" if tls else "http"
     advertise = args.advertise_url or f"{scheme}://{_url_host(args.host)}:{args.port}"
+    try:  # one spelling of the URL, the one the orchestrators compare
+        advertise = normalize_url(advertise, "--advertise-url")
+    except ConfigError as exc:
+        print(f"disagg worker: {exc}", file=sys.stderr)
+        return 2
     settings = WorkerSettings(
         role=args.role,
         model_name=name,

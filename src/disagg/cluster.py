@@ -188,6 +188,9 @@ class Cluster:
         self.generation = Pool("generation")
         self.breaker = breaker
         self._listeners: list[Listener] = []
+        # (role, url) an admin drained: kept across the worker leaving and coming back (an
+        # etcd lease that expired while etcd was out of reach), until resumed or removed
+        self._cordoned: set[tuple[str, str]] = set()
         for role, url in discovery.members():
             self.pool(role).workers.append(WorkerState(url, role, breaker=Breaker(breaker)))
 
@@ -209,11 +212,21 @@ class Cluster:
         if self.find(role, url) is not None:
             raise ValueError(f"the {role} pool has {url} already")
         w = WorkerState(url, role, source=source, models=tuple(models))
+        w.cordoned = (role, url) in self._cordoned
         w.breaker = Breaker(self.breaker)
         self.pool(role).workers.append(w)  # in place: the event feeds hold this list
         log.info("worker %s (%s) joined the cluster (%s)", url, role, source)
         self._tell("added", w)
         return w
+
+    def cordon(self, w: WorkerState, cordoned: bool) -> None:
+        """An admin drained (or resumed) `w`: no new legs for it, also were it to leave its
+        pool and join again."""
+        w.cordoned = cordoned
+        if cordoned:
+            self._cordoned.add((w.role, w.url))
+        else:
+            self._cordoned.discard((w.role, w.url))
 
     def remove(self, role: str, url: str) -> WorkerState | None:
         """Take the worker out of its pool (its legs in flight finish); None if absent."""

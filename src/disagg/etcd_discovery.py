@@ -10,7 +10,12 @@ One task follows the cluster's prefix (`disagg.registry`) into `Cluster.add` / `
   serving on it; health checks still take dead workers out of rotation. A warning is
   logged once, `disagg_discovery_up{backend="etcd"}` reads 0, and the task tries again
   every second, on the next endpoint; when etcd answers it syncs afresh (a resync), which
-  catches every change it missed.
+  catches every change it missed;
+- etcd reachable but unable to serve (a member cut off from its quorum keeps a watch open
+  and silent): a read that needs the quorum every `PROBE_S` seconds fails, which counts as
+  unreachable;
+- anything else that goes wrong (a bug, a record that breaks the decoder) is logged with
+  its traceback and handled like an outage: resync, never a silently dead task.
 
 Workers from the config's static lists or added by an admin are never touched here. Every
 orchestrator replica runs its own copy and reaches the same membership; none of them
@@ -29,6 +34,7 @@ import aetcd
 
 from disagg import registry
 from disagg.cluster import Cluster, WorkerState
+from disagg.config import ConfigError, normalize_url
 from disagg.registry import Endpoints, WorkerRecord
 
 if TYPE_CHECKING:
@@ -37,6 +43,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 RETRY_S = 1.0
+PROBE_S = 5.0  # between the reads that prove the watched member still has its quorum
 
 
 class EtcdDiscovery:
@@ -76,7 +83,7 @@ class EtcdDiscovery:
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+                await self._task  # `_run` lets nothing else out
         await self._drop_client()
 
     def describe(self) -> dict[str, Any]:
@@ -94,8 +101,10 @@ class EtcdDiscovery:
         while True:
             try:
                 await self._follow()
-            except (aetcd.ClientError, ConnectionError) as exc:
-                if self.up or not self._down_since_sync:
+            except Exception as exc:
+                if not isinstance(exc, aetcd.ClientError | ConnectionError):
+                    log.exception("etcd discovery failed; resyncing in %g s", RETRY_S)
+                elif self.up or not self._down_since_sync:
                     log.warning(
                         "etcd unreachable (%s); serving on the last view of %d worker(s),"
                         " retrying every %g s",
@@ -126,13 +135,32 @@ class EtcdDiscovery:
             self.prefix.encode(), start_revision=found.header.revision + 1
         )
         self._set_up(True)
+        probe = asyncio.create_task(self._probe(client), name="etcd-discovery-probe")
+        follow = asyncio.create_task(self._watch(watch), name="etcd-discovery-watch")
         try:
-            async for event in watch:
-                self._apply(event)
+            done, _ = await asyncio.wait((probe, follow), return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                task.result()  # its error is the reason
         finally:
+            for task in (probe, follow):
+                task.cancel()
+            await asyncio.wait((probe, follow))
             with contextlib.suppress(Exception):
                 await watch.cancel()
         raise ConnectionError("the etcd watch ended")
+
+    async def _watch(self, watch: Any) -> None:
+        async for event in watch:
+            self._apply(event)
+
+    async def _probe(self, client: aetcd.Client) -> None:
+        """Every PROBE_S, a read that only a member with a quorum answers (etcd reads are
+        linearizable unless asked otherwise): a watch on a member cut off from its quorum
+        stays open and says nothing."""
+        key = (self.prefix + "\x00probe").encode()
+        while True:
+            await asyncio.sleep(PROBE_S)
+            await client.get(key)
 
     # -- applying what etcd says ------------------------------------------------------------
 
@@ -147,8 +175,9 @@ class EtcdDiscovery:
     def _decode(self, key: bytes, value: bytes) -> WorkerRecord | None:
         try:
             return registry.decode(value)
-        except ValueError as exc:
-            log.warning("etcd key %s ignored: %s", key.decode(errors="replace"), exc)
+        except Exception as exc:  # not a record; or one that breaks the decoder (too deep)
+            text = exc if isinstance(exc, ValueError) else f"undecodable ({type(exc).__name__})"
+            log.warning("etcd key %s ignored: %s", key.decode(errors="replace"), text)
             return None
 
     def _sync(self, records: dict[str, WorkerRecord]) -> None:
@@ -164,6 +193,8 @@ class EtcdDiscovery:
         key = event.kv.key
         if event.kind == "DELETE":
             url = unquote(key.decode(errors="replace")[len(self.prefix) :])
+            with contextlib.suppress(ConfigError):
+                url = normalize_url(url, "url")
             for w in self.cluster.workers():
                 if w.source == "etcd" and w.url == url:
                     self._remove(w)

@@ -83,6 +83,8 @@ class KVEventFeed:
                 data: dict[str, Any] = await resp.json()
         except (aiohttp.ClientError, TimeoutError, ValueError):
             return  # the health monitor reports it; the index keeps its last view
+        if self._cursors.get(w.url) is not cur:
+            return  # the worker left while this poll was out: the index forgot it
         if data.get("block_size") != self.block_size:
             if cur.block_size_ok:
                 log.error(

@@ -5,7 +5,8 @@ One task owns it from start-up to shutdown:
 - keep alive: refresh the lease every `ttl_s / 3`; a lease etcd no longer knows (it expired
   while this worker could not reach etcd) is granted anew and the record put again;
 - etcd unreachable: the worker keeps serving (orchestrators keep their last view of it),
-  warns once, and tries again every second, on the next endpoint;
+  warns once, and tries again every second, on the next endpoint (any other failure is
+  logged with its traceback and retried the same way: the task never dies silently);
 - drain (SIGTERM): the record is put again with `draining: true`, so orchestrators stop
   placing legs here before their next health check;
 - stop: the lease is revoked, which deletes the record at once (a worker killed -9 leaves
@@ -86,9 +87,12 @@ class Registration:
         while True:
             try:
                 await self._keep_alive()
-            except (aetcd.ClientError, ConnectionError) as exc:
+            except Exception as exc:
                 self.registered.clear()
-                if not self._down:
+                if not isinstance(exc, aetcd.ClientError | ConnectionError):
+                    log.exception("etcd registration failed; registering again in %g s", RETRY_S)
+                    self._down = True
+                elif not self._down:
                     log.warning(
                         "etcd registration lost (%s); serving on, retrying every %g s",
                         registry.reason(exc),

@@ -22,7 +22,7 @@ from urllib.parse import quote
 import aetcd
 import msgspec
 
-from disagg.config import ConfigError, parse_etcd_endpoint
+from disagg.config import ConfigError, normalize_url, parse_etcd_endpoint
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +68,10 @@ def decode(value: bytes) -> WorkerRecord:
         raise ValueError(f"not a worker record: role {record.role!r}")
     if not record.url.startswith(("http://", "https://")):
         raise ValueError(f"not a worker record: url {record.url!r}")
+    try:  # the spelling the cluster compares (a trailing slash or upper-case host is the same)
+        record.url = normalize_url(record.url, "url")
+    except ConfigError as exc:
+        raise ValueError(f"not a worker record: {exc.message}") from None
     return record
 
 
@@ -83,11 +87,14 @@ def parse_endpoints(value: str) -> tuple[str, ...]:
         raise ValueError(str(exc)) from None
 
 
-# gRPC pings on idle streams, so a watch on an etcd that vanished (host down, network cut)
-# fails within ~15 s instead of hanging; etcd refuses pings more often than every 5 s.
+# gRPC pings on idle streams, so a watch on an etcd that vanished (host down, network cut,
+# process frozen) fails within ~15 s instead of hanging; etcd refuses pings more often than
+# every 5 s. grpcio waits `ping_timeout_ms` for the answer (60 s unless set), not
+# `keepalive_timeout_ms`.
 _KEEPALIVE = {
     "grpc.keepalive_time_ms": 10_000,
     "grpc.keepalive_timeout_ms": 5_000,
+    "grpc.http2.ping_timeout_ms": 5_000,
     "grpc.keepalive_permit_without_calls": 1,
 }
 
@@ -121,6 +128,9 @@ class Endpoints:
                 await client.close()
                 errors.append(f"{endpoint}: {reason(exc)}")
                 continue
+            except BaseException:  # cancelled (stopping) or a bug: the channel closes anyway
+                await client.close()
+                raise
             self._next = (self._next - 1) % len(self.endpoints)  # stay on the one that works
             return client
         raise ConnectionError("etcd unreachable (" + "; ".join(errors) + ")")

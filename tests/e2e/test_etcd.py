@@ -126,6 +126,20 @@ def records(etcd: EtcdServer) -> dict[str, registry.WorkerRecord]:
     return asyncio.run(read())
 
 
+def write(etcd: EtcdServer, key: str, value: bytes | None) -> None:
+    """Put `value` at `key` (no lease), or delete the key when None."""
+
+    async def run() -> None:
+        host, port = etcd.endpoint.split(":")
+        async with aetcd.Client(host, int(port), timeout=2) as client:
+            if value is None:
+                await client.delete(key.encode())
+            else:
+                await client.put(key.encode(), value)
+
+    asyncio.run(run())
+
+
 def routes(url: str, n: int) -> list[dict[str, str]]:
     out = []
     with httpx.Client(base_url=url, timeout=30) as client:
@@ -293,3 +307,56 @@ def test_bad_register_flags_exit_2_with_a_message(tmp_path: Path) -> None:
     ):
         done = subprocess.run([*base, *args], capture_output=True, text=True, timeout=60)
         assert done.returncode == 2 and says in done.stderr, (args, done.stderr)
+
+
+def test_records_that_break_the_decoder_do_not_stop_discovery(
+    procs: Procs, etcd: EtcdServer, tmp_path: Path
+) -> None:
+    ctx, _ = register(procs, etcd, "context")
+    gen_a, _ = register(procs, etcd, "generation")
+    url = orchestrator(procs, tmp_path, etcd)
+    wait_for(lambda: len(members(url, ready_only=True)) == 2, 10, "both ready")
+    prefix = registry.prefix("t")
+    # gen_a again, spelled with a trailing slash: the same worker
+    again = records(etcd)[gen_a]
+    again.url = gen_a + "/"
+    write(etcd, prefix + "again", registry.encode(again))
+    write(etcd, prefix + "deep", b'{"x":' + b"[" * 100_000 + b"]" * 100_000 + b"}")
+    write(etcd, prefix + "junk", b"not json")
+    gen_b, _ = register(procs, etcd, "generation")
+    wait_for(lambda: ("generation", gen_b) in members(url, ready_only=True), 10, "still followed")
+    assert metric(url, 'disagg_discovery_up{backend="etcd"}') == 1.0
+    info = httpx.get(url + "/cluster_info", timeout=5).json()
+    assert sorted(w["url"] for w in info["generation_servers"]) == sorted([gen_a, gen_b])
+    assert [w["url"] for w in info["context_servers"]] == [ctx]
+
+
+def test_a_drain_outlasts_the_worker_leaving_and_rejoining(
+    procs: Procs, etcd: EtcdServer, tmp_path: Path
+) -> None:
+    """An admin drained a worker; its record goes (as when its lease expires while etcd was
+    out of its reach) and comes back: it is still drained, until resumed."""
+    register(procs, etcd, "context")
+    gen, _ = register(procs, etcd, "generation")
+    admin = tmp_path / "admin.txt"
+    admin.write_text("the-admin-key\n")
+    url = orchestrator(procs, tmp_path, etcd, admin_key_file=str(admin))
+    headers = {"Authorization": "Bearer the-admin-key"}
+
+    def drained() -> bool | None:
+        info = httpx.get(url + "/admin/workers", headers=headers, timeout=5).json()
+        found = [w["cordoned"] for w in info["generation_servers"] if w["url"] == gen]
+        return found[0] if found else None
+
+    wait_for(lambda: drained() is False, 10, "the worker found")
+    r = httpx.post(url + "/admin/workers/drain", json={"url": gen}, headers=headers, timeout=5)
+    assert r.status_code == 200 and drained() is True
+    key = registry.key("t", gen)
+    record = registry.encode(records(etcd)[gen])
+    write(etcd, key, None)
+    wait_for(lambda: drained() is None, 5, "the worker left")
+    write(etcd, key, record)
+    wait_for(lambda: drained() is not None, 5, "the worker is back")
+    assert drained() is True
+    r = httpx.post(url + "/admin/workers/resume", json={"url": gen}, headers=headers, timeout=5)
+    assert r.status_code == 200 and drained() is False
