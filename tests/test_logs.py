@@ -37,3 +37,25 @@ def test_json_lines() -> None:
 def test_text_lines() -> None:
     line = TextFormatter().format(_record())
     assert line.endswith("request x request_id=abc status=200 duration_ms=1.5")
+
+
+def test_http2_preface_is_one_warning() -> None:
+    from aiohttp.http_exceptions import BadHttpMessage
+
+    from disagg.logs import Http2Preface
+
+    def record(exc: BaseException) -> logging.LogRecord:
+        info = (type(exc), exc, None)
+        return logging.LogRecord(
+            "aiohttp.server", logging.ERROR, __file__, 1, "Error handling request", (), info
+        )
+
+    preface = BadHttpMessage("Pause on PRI/Upgrade:\n\n    b'\\x00\\x00\\x18'")
+    f = Http2Preface()
+    first = record(preface)
+    assert f.filter(first)
+    assert first.levelname == "WARNING" and first.exc_info is None
+    assert "HTTP/2 preface" in TextFormatter().format(first)
+    assert not f.filter(record(preface))  # said once
+    other = record(BadHttpMessage("Invalid method"))
+    assert f.filter(other) and other.exc_info is not None  # other bad requests untouched

@@ -44,6 +44,35 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(out, default=str, separators=(",", ":"))
 
 
+class Http2Preface(logging.Filter):
+    """A client that opens with HTTP/2's preface (prior knowledge: sglang-router's probes,
+    gRPC tools) gets a 400 from these HTTP/1.1 servers, and aiohttp logs a traceback with
+    the binary frames for each connection. One warning a process instead."""
+
+    MESSAGE = (
+        "a client opened with the HTTP/2 preface (HTTP/2 prior knowledge); this server"
+        " speaks HTTP/1.1 and answered 400 (said once; later ones are not logged)"
+    )
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.said = False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if exc is None or "PRI/Upgrade" not in str(exc):
+            return True
+        if self.said:
+            return False
+        self.said = True
+        record.msg, record.args, record.exc_info, record.exc_text = self.MESSAGE, (), None, None
+        record.levelno, record.levelname = logging.WARNING, "WARNING"
+        return True
+
+
+_PREFACE = Http2Preface()
+
+
 def configure(level: str, fmt: str = "text") -> None:
     """Log to stderr at `level` in format `fmt` (see FORMATS)."""
     handler = logging.StreamHandler(sys.stderr)
@@ -51,3 +80,6 @@ def configure(level: str, fmt: str = "text") -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
+    server = logging.getLogger("aiohttp.server")
+    if _PREFACE not in server.filters:
+        server.addFilter(_PREFACE)

@@ -147,75 +147,73 @@ def test_a_client_that_leaves_after_the_first_token(hanging_gen: tuple[Cluster, 
     assert_no_leaks(c, timeout_s=3.0)
 
 
+@pytest.fixture(scope="module")
+def half_broken_gen(
+    procs: Procs, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[Cluster, str]]:
+    """A generation pool of a worker that fails every leg (500) and a reference worker; one
+    retry. The cluster and the broken worker's URL."""
+    with BrokenWorker("500") as url:
+        c = start_cluster(
+            procs,
+            tmp_path_factory.mktemp("half"),
+            1,
+            1,
+            extra_gen=[url],
+            max_retries=1,
+            retry_interval=0.01,
+            **NO_BREAKER,
+        )
+        yield c, url
+
+
 def test_a_retry_continues_the_token_sent(
-    procs: Procs, tmp_path_factory: pytest.TempPathFactory, mixed_worker: str
+    half_broken_gen: tuple[Cluster, str], mixed_worker: str
 ) -> None:
     """The generation leg fails after it was sent (a new context leg is needed); the new
     generation leg continues from the first token the client has."""
-    with BrokenWorker("500") as url:
-        c = start_cluster(
-            procs,
-            tmp_path_factory.mktemp("retry"),
-            1,
-            1,
-            extra_gen=[url],
-            max_retries=1,
-            retry_interval=0.01,
-            **NO_BREAKER,
-        )
-        body = {
-            "model": "tiny",
-            "prompt": "retried after its first token",
-            "max_tokens": 10,
-            "temperature": 0,
-        }
-        direct = httpx.post(mixed_worker + "/v1/completions", json=body, timeout=60).json()
-        broken_routes = 0
-        for _ in range(4):  # round robin: the broken worker takes every other placement
-            with httpx.stream(
-                "POST", c.url + "/v1/completions", json={**body, "stream": True}, timeout=60
-            ) as r:
-                assert r.status_code == 200
-                route = route_of(r)
-                events = [data for _, data in _events(r)]
-            assert events[-1] == "[DONE]"
-            text = "".join(e["choices"][0]["text"] for e in events[:-1])
-            assert text == direct["choices"][0]["text"]
-            broken_routes += route["generation"] == url
-        assert broken_routes >= 1
-        assert_no_leaks(c)
+    c, url = half_broken_gen
+    body = {
+        "model": "tiny",
+        "prompt": "retried after its first token",
+        "max_tokens": 10,
+        "temperature": 0,
+    }
+    direct = httpx.post(mixed_worker + "/v1/completions", json=body, timeout=60).json()
+    broken_routes = 0
+    for _ in range(4):  # round robin: the broken worker takes every other placement
+        with httpx.stream(
+            "POST", c.url + "/v1/completions", json={**body, "stream": True}, timeout=60
+        ) as r:
+            assert r.status_code == 200
+            route = route_of(r)
+            events = [data for _, data in _events(r)]
+        assert events[-1] == "[DONE]"
+        text = "".join(e["choices"][0]["text"] for e in events[:-1])
+        assert text == direct["choices"][0]["text"]
+        broken_routes += route["generation"] == url
+    assert broken_routes >= 1
+    assert_no_leaks(c)
 
 
-def test_sampled_stream_continues_its_first_token(
-    procs: Procs, tmp_path_factory: pytest.TempPathFactory
-) -> None:
+def test_sampled_stream_continues_its_first_token(half_broken_gen: tuple[Cluster, str]) -> None:
     """With sampling, a new context leg could sample another first token; the stream still
-    reads as one answer: the usage counts every token once, and the text the client got
-    first is the start of the answer."""
-    with BrokenWorker("500") as url:
-        c = start_cluster(
-            procs,
-            tmp_path_factory.mktemp("sampled"),
-            1,
-            1,
-            extra_gen=[url],
-            max_retries=1,
-            retry_interval=0.01,
-            **NO_BREAKER,
-        )
-        oc = _client(c)
-        for i in range(8):
-            chunks = list(
-                oc.completions.create(
-                    model="tiny",
-                    prompt=f"sampled {i}",
-                    max_tokens=6,
-                    temperature=1.0,
-                    stream=True,
-                    stream_options={"include_usage": True},
-                )
+    reads as one answer: the usage counts every token once, and no token's text comes
+    twice (the new generation leg repeats the token sent, which is taken out)."""
+    c, _ = half_broken_gen
+    oc = _client(c)
+    for i in range(8):
+        chunks = list(
+            oc.completions.create(
+                model="tiny",
+                prompt=f"sampled {i}",
+                max_tokens=6,
+                temperature=1.0,
+                stream=True,
+                stream_options={"include_usage": True},
             )
-            pieces = [ch.choices[0].text for ch in chunks if ch.choices]
-            assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 6
-            assert len([p for p in pieces if p]) <= 6 and pieces[0] != ""
-        assert_no_leaks(c)
+        )
+        pieces = [ch.choices[0].text for ch in chunks if ch.choices]
+        assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 6
+        assert len([p for p in pieces if p]) <= 6 and pieces[0] != ""
+    assert_no_leaks(c)
