@@ -4,10 +4,11 @@ generation worker that decodes one token a second (`disagg worker --simulate zer
 client in its own process, all held open at once. Reports errors and the orchestrator's
 resident memory: before, with every stream open, and the growth per stream.
 
-    python -m bench.slow_streams [--streams 9000 --tokens 20]
+    python -m bench.slow_streams [--streams 9000 --tokens 40]
 
 Each stream takes two sockets in the orchestrator (client and worker side), so N is bound
-by the open-files limit (`ulimit -n`): about half of it.
+by the open-files limit: the bench raises it (for itself and the processes it starts) to
+what N needs, past the hard limit where it may (as root), and otherwise runs what fits.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import resource
 import subprocess
 import sys
@@ -89,6 +91,22 @@ async def _client(url: str, streams: int, tokens: int, ramp_s: float) -> dict[st
         }
 
 
+def open_files_for(streams: int) -> int:
+    """Raise this process's open-files limit (its children inherit it) to what `streams`
+    need; returns the limit it got."""
+    need = 2 * streams + 1024
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < need:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (need, need))
+            return need
+        except (ValueError, OSError):  # not privileged: the hard limit stands
+            pass
+    soft = hard if hard == resource.RLIM_INFINITY else min(hard, max(soft, need))
+    resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    return soft
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--streams", type=int, default=9000)
@@ -100,7 +118,9 @@ def main() -> None:
         result = asyncio.run(_client(args.client, args.streams, args.tokens, args.ramp))
         print(json.dumps(result), flush=True)
         return
-    limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    limit = open_files_for(args.streams)
+    if limit < 2 * args.streams + 1024:
+        print(f"open-files limit {limit}: {args.streams} streams may not fit", file=sys.stderr)
     procs = Processes()
     try:
         with tempfile.TemporaryDirectory() as tmp:
@@ -137,9 +157,10 @@ def main() -> None:
             )
             assert client.stdout is not None
             opened = json.loads(client.stdout.readline())
-            held = 0
+            held = fds = 0
             for _ in range(5):  # the peak while every stream is open
                 held = max(held, rss_kb(orch))
+                fds = max(fds, len(os.listdir(f"/proc/{orch}/fd")))
                 time.sleep(0.2)
             result = json.loads(client.stdout.readline())
             client.wait(60)
@@ -152,6 +173,7 @@ def main() -> None:
         "all_open": opened,
         **result,
         "orchestrator_rss_kb": {"before": before, "all_open": held},
+        "orchestrator_open_files": fds,
         "rss_growth_kb_per_stream": round((held - before) / args.streams, 2),
     }
     OUT.write_text(json.dumps(report, indent=1) + "\n")
