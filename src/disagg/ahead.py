@@ -39,10 +39,7 @@ class Ahead:
     def __init__(self, endpoint: Endpoint, resp: dict[str, Any], ctx: ContextOutcome) -> None:
         """`resp`: the context leg's answer; `ctx`: what the orchestrator read from it."""
         self.endpoint = endpoint
-        shape = endpoint.shape(resp)
-        events = shape.stream_start()
-        if ctx.text:
-            events.append(shape.stream_delta(ctx.text))
+        shape, events = endpoint.stream_head(resp, ctx)
         self.head = b"".join(events)
         self.tokens: list[int] = list(ctx.params.get("first_gen_tokens") or [])
         self._ids = endpoint.stream_ids(shape)

@@ -155,6 +155,15 @@ class Endpoint:
             and not body.get("tools")
         )
 
+    def stream_head(self, resp: dict[str, Any], ctx: ContextOutcome) -> tuple[Shape, list[bytes]]:
+        """The start of the client's stream from a context answer: its opening events and the
+        context leg's text, and the shape that goes on from there."""
+        shape = self.shape(resp)
+        out = shape.stream_start()
+        if ctx.text:
+            out.append(shape.stream_delta(ctx.text))
+        return shape, out
+
     def stream_ids(self, shape: Shape) -> dict[str, str]:
         """The ids a stream of `shape` names its events by."""
         return {"id": str(getattr(shape, "rid", ""))}
@@ -178,10 +187,7 @@ class Endpoint:
         self, resp: dict[str, Any], ctx: ContextOutcome, include_usage: bool
     ) -> list[bytes]:
         """A finished context answer as the stream the client asked for."""
-        shape = self.shape(resp)
-        out = shape.stream_start()
-        if ctx.text:
-            out.append(shape.stream_delta(ctx.text))
+        shape, out = self.stream_head(resp, ctx)
         out += shape.stream_end(
             ctx.text, ctx.finish_reason, _merged(ctx.usage, None) if include_usage else None
         )

@@ -289,8 +289,9 @@ class Orchestrator:
                 route.retries = budget.attempts - 1
                 request = request.avoiding(replan.avoid)
                 await self._pause(replan.cause, route)
-            ctx_budget = RetryPolicy.off().budget() if job.on_prefill_failure == "fail" else budget
-            _, ctx = await self._context_leg(job.endpoint, job.body, request, route, ctx_budget)
+            _, ctx = await self._context_leg(
+                job.endpoint, job.body, request, route, _context_budget(job, budget)
+            )
             if ctx.finished or not ahead.tokens:
                 raise WorkerUnavailable(
                     "the generation leg failed and the new context leg cannot continue the"
@@ -310,8 +311,9 @@ class Orchestrator:
         whole request's Result when it fell back to prefilling on a generation worker."""
         push = early.target if early is not None and self.generation_first == "push" else None
         try:
-            ctx_budget = RetryPolicy.off().budget() if job.on_prefill_failure == "fail" else budget
-            return await self._context_leg(job.endpoint, job.body, request, route, ctx_budget, push)
+            return await self._context_leg(
+                job.endpoint, job.body, request, route, _context_budget(job, budget), push
+            )
         except DisaggError as exc:
             if job.on_prefill_failure == "retry" or not _worker_fault(exc):
                 raise
@@ -639,6 +641,12 @@ class Orchestrator:
         rid = ctx.params.get("ctx_request_id")
         if route.context is not None and isinstance(rid, int):
             self.client.release_kv_soon(route.context, rid)
+
+
+def _context_budget(job: Job, budget: RetryBudget) -> RetryBudget:
+    """The context leg's retries: the request's, or none when its prefill failure policy
+    says `fail`."""
+    return RetryPolicy.off().budget() if job.on_prefill_failure == "fail" else budget
 
 
 def _judge(reservation: Reservation, exc: BaseException) -> None:
