@@ -205,10 +205,7 @@ class Orchestrator:
             except _Replan as replan:
                 # The generation leg failed after it may have paired with the KV transfer:
                 # that handoff can't be replayed, so plan the request again from its context leg.
-                if not budget.spend(replan.cause):
-                    raise replan.cause from None
-                request = request.avoiding(replan.avoid)
-                await self._pause(replan.cause, route)
+                request = await self._replanned(replan, request, route, budget)
                 continue
             result.route.retries = budget.attempts - 1
             return result
@@ -284,11 +281,8 @@ class Orchestrator:
                 return await self._generation_phase(job, request, route, ctx, budget, early, placed)
             except _Replan as replan:
                 early = placed = None
-                if not budget.spend(replan.cause):
-                    raise replan.cause from None
+                request = await self._replanned(replan, request, route, budget)
                 route.retries = budget.attempts - 1
-                request = request.avoiding(replan.avoid)
-                await self._pause(replan.cause, route)
             _, ctx = await self._context_leg(
                 job.endpoint, job.body, request, route, _context_budget(job, budget)
             )
@@ -326,6 +320,16 @@ class Orchestrator:
             await early.cancel()
         route.context, route.context_worker = None, None
         return await self._generation_attempt(job, request, route, None)
+
+    async def _replanned(
+        self, replan: _Replan, request: RouteRequest, route: Route, budget: RetryBudget
+    ) -> RouteRequest:
+        """A new plan after `replan`: spent from the budget (else its cause is raised), the
+        pause between attempts waited, and `request` avoiding the worker at fault."""
+        if not budget.spend(replan.cause):
+            raise replan.cause from None
+        await self._pause(replan.cause, route)
+        return request.avoiding(replan.avoid)
 
     async def _pause(self, exc: DisaggError, route: Route) -> None:
         log.info("retrying after %s: %s", type(exc).__name__, exc.message)
